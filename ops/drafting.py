@@ -1,0 +1,226 @@
+"""Speculators: the protocol, expansion-based tree drafting, and the small-model speculator.
+
+A speculator follows one request's token sequence (prompt, then every emitted token) and,
+each step, proposes a :class:`~treeserve.ops.token_tree.TokenTree` rooted at the last token
+of that sequence. Drafting rule (what :func:`treeserve.ops.verify.verify_stochastic` assumes):
+with greedy params a node's children are the drafter's top-k tokens (no q stored); otherwise
+they are ``k`` i.i.d. draws *with replacement* from the drafter's ``q`` at that node
+(``q = logits_to_probs(drafter_logits, params)``, the same transform as the LLM's target),
+each draw recorded as its own proposal (duplicates are tried in turn by the verifier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.model import Transformer
+from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
+from treeserve.ops.tree_attention import tree_mask_from_parents
+
+
+class Speculator(Protocol):
+    """Drafts token trees for one request and stays in step with its accepted tokens.
+
+    ``prefill(prompt_ids)`` starts a request (resets any state). ``propose(params, generator,
+    max_depth=None)`` returns a token tree rooted at the last token seen (the last prompt token,
+    then the last emitted token) whose nodes are at most ``max_depth`` deep (None: the
+    speculator's own limit). ``accept(new_tokens)`` appends the tokens the verifier emitted this
+    step (accepted drafts then the bonus token, which is the next root).
+    """
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(
+        self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None
+    ) -> TokenTree: ...
+
+    def accept(self, new_tokens: Sequence[int]) -> None: ...
+
+
+NextLogitsFn = Callable[[list[int], list[int], list[int]], Tensor]
+"""``(parents, tokens, frontier) -> logits (F, V)``: the drafter's next-token logits at each
+frontier node of the partial tree given by ``parents``/``tokens`` (root first)."""
+
+
+def validate_expansion(expansion: Sequence[int]) -> tuple[int, ...]:
+    """Check an expansion config (e.g. ``(1, 1, 3, 1, 1)``) and return it as a tuple."""
+    config = tuple(expansion)
+    if not config or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in config):
+        raise ValueError(f"an expansion config is a non-empty sequence of integers >= 1, got {expansion!r}")
+    return config
+
+
+def expand_token_tree(
+    root_token: int,
+    expansion: Sequence[int],
+    next_logits: NextLogitsFn,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    *,
+    speculator: int = 0,
+) -> TokenTree:
+    """Expansion-based token tree: at step ``i`` every frontier node gets ``expansion[i]`` children.
+
+    One ``next_logits`` call per step scores the whole frontier (so a model drafter runs one
+    batched forward per step). Greedy params take the top-``k`` distinct tokens; otherwise each
+    frontier node's ``q`` row is stored and ``k`` draws with replacement become ``k`` proposals
+    (equal draws share one trie node). The next frontier is the distinct new children.
+    """
+    config = validate_expansion(expansion)
+    is_greedy = params.is_greedy
+    builder = TokenTreeBuilder(root_token, with_probs=not is_greedy)
+    frontier = [0]
+    for width in config:
+        logits = next_logits(builder.parents, builder.tokens, frontier)  # (F, V)
+        new_frontier: list[int] = []
+        if is_greedy:
+            top = torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices.tolist()  # (F, k)
+            for node, row in zip(frontier, top):
+                for token in row:
+                    new_frontier.append(builder.add_proposal(node, token, speculator=speculator))
+        else:
+            q = logits_to_probs(logits.detach().to("cpu"), params)  # (F, V)
+            draws = sample_from_probs(q, generator, width).tolist()  # (F, k)
+            for node, q_node, row in zip(frontier, q, draws):
+                q_row = builder.add_probs(q_node)
+                for token in row:
+                    child = builder.add_proposal(node, token, speculator=speculator, q_row=q_row)
+                    if child not in new_frontier:
+                        new_frontier.append(child)
+        frontier = new_frontier
+    return builder.build()
+
+
+class ModelSpeculator:
+    """A small speculative model (SSM: any :class:`Transformer`) drafting expansion-based trees.
+
+    It owns a batch-1 KV cache over the request's tokens. Step 0 of :meth:`propose` feeds the
+    tokens not yet cached (the root, plus any accepted token whose KV was not kept) and commits
+    them, since they are all accepted; each later step feeds every draft node so far as one
+    token tree (one forward, tree mask + depth positions) because pending slots are only visible
+    within one forward. :meth:`accept` commits the pending KV of the accepted draft nodes that
+    the last forward computed. ``capacity`` bounds prompt + generated + one tree (default: the
+    model's ``max_seq_len``); expansion stops early rather than overflow it.
+    """
+
+    def __init__(self, model: Transformer, expansion: Sequence[int], *, capacity: int | None = None) -> None:
+        self.model = model
+        self.expansion = validate_expansion(expansion)
+        self._capacity = capacity
+        self._cache: KVCache | None = None
+        self._history: list[int] = []
+        self._last_tree: TokenTree | None = None
+        self._num_fed_drafts = 0  # drafts (nodes 1..n) whose KV the last forward left pending
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Start a request with ``prompt_ids`` (non-empty); the KV is computed lazily by propose."""
+        if not prompt_ids:
+            raise ValueError("a speculator needs a non-empty prompt")
+        if self._cache is None:
+            self._cache = self.model.new_cache(1, self._capacity)
+        self._cache.reset_row(0)
+        self._history = [int(t) for t in prompt_ids]
+        self._last_tree = None
+        self._num_fed_drafts = 0
+
+    def _require_cache(self) -> KVCache:
+        if self._cache is None:
+            raise RuntimeError("ModelSpeculator.prefill must be called before propose/accept")
+        return self._cache
+
+    def propose(
+        self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None
+    ) -> TokenTree:
+        """Draft a tree rooted at the last token seen (see the class docstring)."""
+        cache = self._require_cache()
+        expansion = self.expansion if max_depth is None else self.expansion[: max(max_depth, 0)]
+        device = self.model.device
+        with torch.no_grad():
+            # The root's KV may be cached already (propose called again without accept): feed it
+            # again anyway, since its logits are the first drafting distribution.
+            start = min(int(cache.lengths[0]), len(self._history) - 1)
+            cache.truncate(0, start)
+            uncached = self._history[start:]  # ends with the root
+            tokens = torch.tensor([uncached], dtype=torch.long, device=device)  # (1, U)
+            logits = self._forward(cache, tokens, None, None)  # (1, U, V)
+            cache.commit(0, range(len(uncached)))
+            root_logits = logits[0, -1:]  # (1, V)
+            committed = int(cache.lengths[0])  # the root sits at position committed - 1
+            self._num_fed_drafts = 0
+
+            def next_logits(parents: list[int], tokens: list[int], frontier: list[int]) -> Tensor:
+                if frontier == [0]:
+                    return root_logits
+                num_drafts = len(parents) - 1
+                if committed + num_drafts > cache.capacity:
+                    raise _OutOfRoom
+                # Draft nodes 1..n become new tokens 0..n-1; the (committed) root is their prefix.
+                rel_parents = torch.tensor([p - 1 for p in parents[1:]], dtype=torch.long)  # (n,)
+                mask = tree_mask_from_parents(rel_parents)  # (n, n)
+                depths = mask.sum(dim=-1)  # (n,) ancestors incl. self = depth below the root
+                positions = (committed - 1 + depths)[None].to(device)  # (1, n)
+                draft_tokens = torch.tensor([tokens[1:]], dtype=torch.long, device=device)  # (1, n)
+                out = self._forward(cache, draft_tokens, mask[None].to(device), positions)  # (1, n, V)
+                self._num_fed_drafts = num_drafts
+                return out[0, torch.tensor(frontier, device=device) - 1]  # (F, V)
+
+            tree = self._expand_within_room(expansion, next_logits, params, generator)
+        self._last_tree = tree
+        return tree
+
+    def _expand_within_room(
+        self,
+        expansion: tuple[int, ...],
+        next_logits: NextLogitsFn,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> TokenTree:
+        root = self._history[-1]
+        if not expansion:
+            return TokenTree.from_parents([-1], [root])
+        for depth in range(len(expansion), 0, -1):
+            try:
+                return expand_token_tree(root, expansion[:depth], next_logits, params, generator)
+            except _OutOfRoom:
+                continue
+        return TokenTree.from_parents([-1], [root])
+
+    def _forward(self, cache: KVCache, tokens: Tensor, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
+        out = self.model(tokens, cache, tree_mask=tree_mask, positions=positions)
+        assert isinstance(out, Tensor)
+        return out
+
+    def accept(self, new_tokens: Sequence[int]) -> None:
+        """Append the emitted tokens; keep the pending KV of the accepted drafts already computed."""
+        cache = self._require_cache()
+        keep: list[int] = []
+        tree = self._last_tree
+        if tree is not None and self._num_fed_drafts > 0:
+            children: dict[tuple[int, int], int] = {
+                (p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())) if p >= 0
+            }
+            node = 0
+            # The last token is the next root: its KV is computed with its logits next step.
+            for token in list(new_tokens)[:-1]:
+                child = children.get((node, int(token)))
+                if child is None or child > self._num_fed_drafts:
+                    break
+                keep.append(child - 1)  # draft node i sat at pending slot i - 1
+                node = child
+        if keep:
+            cache.commit(0, keep)
+        else:
+            cache.truncate(0, int(cache.lengths[0]))  # drop pending slots
+        self._history.extend(int(t) for t in new_tokens)
+        self._last_tree = None
+        self._num_fed_drafts = 0
+
+
+class _OutOfRoom(Exception):
+    """Internal: the next drafting forward would not fit the speculator's cache."""

@@ -1,0 +1,167 @@
+"""Read a LLaMA-family GGUF file (``llama`` or ``qwen2`` architecture) into a state dict + config.
+
+Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` and its GGUF shape is
+reversed to get the torch ``(out, in)`` layout. llama-architecture files store ``attn_q`` and
+``attn_k`` permuted for llama.cpp's interleaved rope (``convert_hf_to_gguf.py``'s ``permute``);
+we undo that so the usual rotate-half rope applies. qwen2 files are not permuted. Embeddings
+are tied when there is no ``output.weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treeserve.ops.model import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+PERMUTED_ARCHITECTURES = ("llama",)
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFFormatError(ValueError):
+    """The GGUF file is not a supported LLaMA-family model or lacks a required field."""
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """What :func:`read_gguf` returns: config, float32 state dict and the architecture name."""
+
+    config: ModelConfig
+    state_dict: dict[str, Tensor]
+    architecture: str
+
+
+def permute_for_llama_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The permutation llama.cpp's converter applies to Q/K rows (rotate-half -> interleaved)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def unpermute_llama_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of :func:`permute_for_llama_rope` (interleaved -> rotate-half rows)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def field_value(reader: Any, key: str) -> Any:
+    """The decoded value of metadata ``key`` (str, number, bool or list), or None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def config_from_gguf(reader: Any) -> tuple[ModelConfig, str]:
+    """Build the :class:`ModelConfig` (and return the architecture) from GGUF metadata."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFFormatError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        value = field_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFFormatError(f"GGUF file lacks the metadata field {arch}.{key}")
+        return value
+
+    dim = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv") or num_heads)
+    head_dim = field_value(reader, f"{arch}.attention.key_length") or field_value(reader, f"{arch}.rope.dimension_count")
+    vocab = field_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = len(tokens.data) if tokens is not None else int(embd.shape[-1])
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig(
+        vocab_size=int(vocab),
+        dim=dim,
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(head_dim) if head_dim else dim // num_heads,
+        ffn_dim=int(need("feed_forward_length")),
+        rope_base=_from_float32(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
+        norm_eps=_from_float32(need("attention.layer_norm_rms_epsilon")),
+        max_seq_len=int(field_value(reader, f"{arch}.context_length") or 2048),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        tie_embeddings="output.weight" not in names,
+    )
+    return config, arch
+
+
+def _from_float32(value: float) -> float:
+    """The shortest decimal that a float32 metadata value stands for (1e-5, not 9.99999975e-06)."""
+    return float(f"{float(value):.7g}")
+
+
+def torch_name(gguf_name: str) -> str | None:
+    """Our parameter name for a GGUF tensor name, or None for tensors we do not use."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+def read_gguf(path: str | Path, *, unpermute_qk: bool = True) -> GGUFModel:
+    """Dequantize a GGUF model file into a float32 state dict and its config.
+
+    ``unpermute_qk=False`` skips undoing llama.cpp's Q/K permutation; it exists only so tests
+    can show that the step matters (the model then scores English far worse).
+    """
+    import gguf
+
+    return read_gguf_reader(gguf.GGUFReader(str(path)), unpermute_qk=unpermute_qk)
+
+
+def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
+    """:func:`read_gguf` for an already open ``gguf.GGUFReader`` (opening one costs seconds)."""
+    import gguf
+
+    config, arch = config_from_gguf(reader)
+    state: dict[str, Tensor] = {}
+    for tensor in reader.tensors:
+        name = torch_name(tensor.name)
+        if name is None:
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.ascontiguousarray(array.reshape(tuple(int(d) for d in reversed(tensor.shape))), dtype=np.float32)
+        if unpermute_qk and arch in PERMUTED_ARCHITECTURES:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                array = unpermute_llama_rope(array, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                array = unpermute_llama_rope(array, config.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+            array = array.copy()
+        state[name] = torch.from_numpy(array)
+    missing = [n for n in ("embed_tokens.weight", "norm.weight") if n not in state]
+    if missing:
+        raise GGUFFormatError(f"GGUF file lacks tensors for {missing}")
+    return GGUFModel(config=config, state_dict=state, architecture=arch)

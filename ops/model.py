@@ -1,0 +1,284 @@
+"""LLaMA-family decoder (SmolLM2, LLaMA 2/3, TinyLlama, Qwen2/2.5) with tree-aware forward.
+
+RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP, optional q/k/v bias and a
+tied or separate LM head. Parameter names follow the Hugging Face layout minus the ``model.``
+prefix (``layers.0.self_attn.q_proj.weight``...), so HF checkpoints map one to one.
+
+One :meth:`Transformer.forward` scores ``T`` new tokens per row against the committed KV
+cache; with a ``tree_mask`` and depth-based ``positions`` those tokens are a token tree and
+every node's logits equal those of a plain causal pass over its root-to-node path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape hyper-parameters of a LLaMA-family model; validated on construction."""
+
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rope_base > 0:
+            raise ValueError(f"ModelConfig.rope_base must be positive, got {self.rope_base}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps must be positive, got {self.norm_eps}")
+
+
+def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """Float32 cos/sin tables ``(max_seq_len, head_dim)`` for rotate-half RoPE."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
+    angles = torch.arange(config.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (P, hd)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: x ``(B, n, T, hd)``, cos/sin ``(B, 1, T, hd)`` in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """GQA self-attention that writes its new K/V into the cache and reads the visible slots."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: KVCache,
+        layer: int,
+        lengths: list[int],
+        mask: Tensor | None,
+        num_slots: int,
+        is_causal: bool,
+    ) -> Tensor:
+        batch, num_new, _ = x.shape
+        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        cache.write(layer, k, v, lengths)
+        keys = cache.keys[layer][:, :, :num_slots]  # (B, n_kv, S, hd)
+        values = cache.values[layer][:, :, :num_slots]
+        out = attention_under_mask(q, keys, values, mask, is_causal=is_causal)  # (B, H, T, hd)
+        out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*hd)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+
+class Transformer(nn.Module):
+    """A LLaMA-family decoder whose forward scores new tokens (a chain or a token tree).
+
+    ``forward(tokens (B, T), cache, *, tree_mask=None, positions=None, return_hidden=False)``
+    writes the new tokens' K/V to the cache's pending slots ``[lengths[b], lengths[b]+T)``
+    (it never advances ``cache.lengths``; use ``cache.commit``) and returns float32 logits
+    ``(B, T, V)``, plus the final-normed hidden states ``(B, T, D)`` if ``return_hidden``.
+    New token ``t`` attends to the committed slots and to new token ``s`` iff
+    ``tree_mask[b, t, s]`` (``None``: causal). ``positions`` default to ``lengths[b] + t``; for a
+    token tree pass ``lengths[b] + depth`` (roots have depth 0). Runs under
+    ``torch.inference_mode`` (inference only; the cache is updated in place).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head: nn.Linear | None = (
+            None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def from_state_dict(
+        cls, config: ModelConfig, state_dict: dict[str, Tensor], *, dtype: torch.dtype = torch.float32
+    ) -> Transformer:
+        """Build a model that adopts ``state_dict`` (our parameter names) without random init.
+
+        The tensors are cast to ``dtype`` (no copy when they already have it) and must match
+        the config's shapes exactly; missing or unexpected names raise ``ValueError``.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        try:
+            model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ValueError(f"state dict does not fit the model config: {exc}") from exc
+        cos, sin = rope_tables(config)
+        model.rope_cos, model.rope_sin = cos, sin
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights (and of caches made by :meth:`new_cache`)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for this model (capacity defaults to ``max_seq_len``)."""
+        capacity = self.config.max_seq_len if capacity is None else capacity
+        if capacity > self.config.max_seq_len:
+            raise ValueError(f"cache capacity {capacity} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        return KVCache(
+            num_layers=self.config.num_layers,
+            batch_size=batch_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            capacity=capacity,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def truncated(self, num_layers: int) -> Transformer:
+        """A model that shares this one's first ``num_layers`` blocks, final norm and LM head.
+
+        No weights are copied. It needs its own cache (``truncated_model.new_cache(...)``).
+        """
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"truncated num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        config = ModelConfig(**{**self.config.__dict__, "num_layers": num_layers})
+        with torch.device("meta"):
+            small = Transformer(config)
+        small.embed_tokens = self.embed_tokens
+        small.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        small.norm = self.norm
+        small.lm_head = self.lm_head
+        small.rope_cos = self.rope_cos
+        small.rope_sin = self.rope_sin
+        return small
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        *,
+        tree_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
+        batch, num_new = tokens.shape
+        if batch != cache.batch_size or cache.num_layers != len(self.layers):
+            raise ValueError(
+                f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit tokens batch "
+                f"{batch} and a {len(self.layers)}-layer model"
+            )
+        if tree_mask is not None and tree_mask.shape != (batch, num_new, num_new):
+            raise ValueError(f"tree_mask must be (B, T, T) = {(batch, num_new, num_new)}, got {tuple(tree_mask.shape)}")
+        lengths = cache.begin_write(num_new)
+        num_slots = max(lengths) + num_new
+        if positions is None:
+            positions = cache.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
+        elif positions.shape != (batch, num_new):
+            raise ValueError(f"positions must be (B, T) = {(batch, num_new)}, got {tuple(positions.shape)}")
+        if num_slots > self.config.max_seq_len or (positions.numel() and int(positions.max()) >= self.config.max_seq_len):
+            raise ValueError(f"positions beyond the model's max_seq_len {self.config.max_seq_len}")
+
+        # One mask for all layers; None when every visible slot is attended (plain decode).
+        same_lengths = all(length == lengths[0] for length in lengths)
+        is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
+        if (num_new == 1 and same_lengths) or is_causal:
+            mask = None
+        else:
+            mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
+        dtype = self.dtype
+        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
+        sin = self.rope_sin[positions].to(dtype)[:, None]
+
+        h = self.embed_tokens(tokens)  # (B, T, D)
+        for index, block in enumerate(self.layers):
+            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, weight).float()  # (B, T, V)
+        return (logits, h) if return_hidden else logits

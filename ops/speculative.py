@@ -1,0 +1,218 @@
+"""In-process generation loops for one request: plain incremental decoding and tree speculation.
+
+Both loops obey the same stopping rule, so in greedy float32 they return the same tokens:
+generation ends right after a token in ``params.stop_token_ids`` (kept in the output) or when
+``params.max_new_tokens`` tokens exist. The speculative loop verifies one token tree per step
+with one LLM forward (tree mask + depth positions), commits the accepted path in the LLM's
+KV cache and feeds the emitted tokens back to the speculators. Functions are per request
+(batch 1); a batched verifier reuses :func:`verify_step_row` per row.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treeserve.ops.drafting import Speculator
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.model import Transformer
+from treeserve.ops.sampling import SamplingParams, make_generator, sample_token
+from treeserve.ops.token_tree import TokenTree, merge_trees
+from treeserve.ops.verify import VerifyFn, VerifyResult, verify
+
+
+class FinishReason(enum.Enum):
+    """Why generation ended: a stop token was emitted, or ``max_new_tokens`` was reached."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class SpeculationMode(enum.Enum):
+    """How speculators' proposals are verified.
+
+    ``TREE``: trie-merge all speculators' token trees and verify the merged tree (SpecInfer).
+    ``CHAIN``: verify only the chain of first proposals of the merged tree (sequence-based
+    speculative decoding, the baseline SpecInfer compares against).
+    """
+
+    TREE = "tree"
+    CHAIN = "chain"
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Generated tokens and step statistics of one request.
+
+    ``num_steps``: LLM forward passes that emitted tokens (incremental: one per token, the
+    prefill included; speculative: one verify pass per step). ``accepted_per_step``: draft
+    tokens the verifier accepted at each speculative step (empty for incremental decoding),
+    counted before truncation at a stop token or ``max_new_tokens``.
+    """
+
+    token_ids: list[int]
+    num_steps: int
+    finish_reason: FinishReason
+    accepted_per_step: tuple[int, ...] = ()
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Mean accepted draft tokens per verify step (0.0 for incremental decoding)."""
+        return sum(self.accepted_per_step) / len(self.accepted_per_step) if self.accepted_per_step else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Mean emitted tokens per LLM step (1.0 for incremental decoding)."""
+        return len(self.token_ids) / self.num_steps if self.num_steps else 0.0
+
+
+def _check_prompt(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    vocab = model.config.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt) + params.max_new_tokens > model.config.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+            f"max_seq_len {model.config.max_seq_len}"
+        )
+    return prompt
+
+
+def _logits(model: Transformer, tokens: Tensor, cache: KVCache, **kwargs: Tensor) -> Tensor:
+    out = model(tokens, cache, **kwargs)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def emit_until_done(
+    emitted: list[int], new_tokens: Sequence[int], params: SamplingParams
+) -> tuple[list[int], FinishReason | None]:
+    """Append ``new_tokens`` to ``emitted`` under the stopping rule.
+
+    Returns the tokens actually taken (a prefix of ``new_tokens``) and the finish reason if
+    generation ended on one of them.
+    """
+    taken: list[int] = []
+    for token in new_tokens:
+        taken.append(token)
+        if params.is_stop(token):
+            emitted.extend(taken)
+            return taken, FinishReason.STOP
+        if len(emitted) + len(taken) >= params.max_new_tokens:
+            emitted.extend(taken)
+            return taken, FinishReason.LENGTH
+    emitted.extend(taken)
+    return taken, None
+
+
+def generate_incremental(
+    model: Transformer, prompt_ids: Sequence[int], params: SamplingParams, *, generator: torch.Generator | None = None
+) -> GenerationResult:
+    """Plain autoregressive decoding, one LLM forward per token (the losslessness reference).
+
+    ``generator`` (CPU) defaults to one seeded from ``params.seed``.
+    """
+    prompt = _check_prompt(model, prompt_ids, params)
+    if generator is None and not params.is_greedy:
+        generator = make_generator(params)
+    cache = model.new_cache(1, len(prompt) + params.max_new_tokens)
+    emitted: list[int] = []
+    num_steps = 0
+    with torch.no_grad():
+        feed = prompt
+        while True:
+            logits = _logits(model, torch.tensor([feed], device=model.device), cache)  # (1, T, V)
+            cache.commit(0, range(len(feed)))
+            num_steps += 1
+            token = sample_token(logits[0, -1].cpu(), params, generator)
+            _, finish = emit_until_done(emitted, [token], params)
+            if finish is not None:
+                return GenerationResult(emitted, num_steps, finish)
+            feed = [token]
+
+
+def verify_step_row(
+    model_logits: Tensor, tree: TokenTree, params: SamplingParams, generator: torch.Generator | None, verifier: VerifyFn
+) -> VerifyResult:
+    """Verify one row: ``model_logits`` ``(T, V)`` are the LLM's logits for ``tree``'s nodes."""
+    return verifier(tree, model_logits, params, generator)
+
+
+def _fit_tree(tree: TokenTree, max_depth: int, max_nodes: int) -> TokenTree:
+    # Both limits are monotone along a root-to-leaf path, so the kept set is ancestor-closed.
+    keep = (tree.depths() <= max_depth) & (torch.arange(tree.num_nodes) < max_nodes)
+    return tree if bool(keep.all()) else tree.restricted(keep)
+
+
+def generate_speculative(
+    model: Transformer,
+    speculators: Sequence[Speculator],
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    mode: SpeculationMode = SpeculationMode.TREE,
+    *,
+    generator: torch.Generator | None = None,
+    verifier: VerifyFn = verify,
+    max_tree_nodes: int = 64,
+) -> GenerationResult:
+    """Tree-based speculative generation of one request; lossless w.r.t. incremental decoding.
+
+    The LLM prefills ``prompt[:-1]``; each step the speculators draft trees rooted at the last
+    token, the trees are merged (``mode``), trimmed to the tokens still allowed and to
+    ``max_tree_nodes`` nodes, verified by ``verifier`` (default: greedy or multi-step speculative
+    sampling by ``params``; tests inject wrong ones) after one LLM forward, the accepted path is
+    committed and the emitted tokens (accepted drafts + bonus) go to the speculators.
+    With no speculators every step verifies a root-only tree (incremental decoding).
+    """
+    prompt = _check_prompt(model, prompt_ids, params)
+    if max_tree_nodes < 1:
+        raise ValueError(f"max_tree_nodes must be >= 1, got {max_tree_nodes}")
+    if generator is None and not params.is_greedy:
+        generator = make_generator(params)
+    capacity = min(model.config.max_seq_len, len(prompt) + params.max_new_tokens + max_tree_nodes)
+    cache = model.new_cache(1, capacity)
+    device = model.device
+    emitted: list[int] = []
+    accepted_per_step: list[int] = []
+    with torch.no_grad():
+        if len(prompt) > 1:
+            _logits(model, torch.tensor([prompt[:-1]], device=device), cache)
+            cache.commit(0, range(len(prompt) - 1))
+        for speculator in speculators:
+            speculator.prefill(prompt)
+        root = prompt[-1]
+        while True:
+            remaining = params.max_new_tokens - len(emitted)
+            trees = [s.propose(params, generator, max_depth=remaining - 1) for s in speculators]
+            tree = merge_trees(trees) if trees else TokenTree.from_parents([-1], [root])
+            if tree.root_token != root:
+                raise RuntimeError(f"a speculator proposed a tree rooted at {tree.root_token}, expected {root}")
+            if mode is SpeculationMode.CHAIN:
+                tree = tree.first_chain()
+            length = int(cache.lengths[0])
+            tree = _fit_tree(tree, remaining - 1, capacity - length)
+            positions = (length + tree.depths())[None].to(device)  # (1, T)
+            logits = _logits(
+                model,
+                tree.tokens[None].to(device),
+                cache,
+                tree_mask=tree.tree_mask()[None].to(device),
+                positions=positions,
+            )  # (1, T, V)
+            result = verify_step_row(logits[0], tree, params, generator, verifier)
+            accepted_per_step.append(result.num_accepted_drafts)
+            new_tokens = result.new_tokens(tree)
+            _, finish = emit_until_done(emitted, new_tokens, params)
+            if finish is not None:
+                return GenerationResult(emitted, len(accepted_per_step), finish, tuple(accepted_per_step))
+            cache.commit(0, result.accepted)
+            for speculator in speculators:
+                speculator.accept(new_tokens)
+            root = result.bonus_token

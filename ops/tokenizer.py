@@ -1,0 +1,272 @@
+"""Byte-level BPE tokenizer (``tokenizers`` package) from GGUF metadata or a ``tokenizer.json``.
+
+Also renders the model's own Jinja chat template in a sandbox, and offers
+:class:`IncrementalDetokenizer`, which turns a growing list of token ids into text deltas
+without ever emitting half of a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+# Pre-tokenizer regexes of llama.cpp's BPE "pre" types (src/llama-vocab.cpp).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Special tokens that end a turn in common chat formats; added to stop_ids when present.
+_TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_SPECIAL_TOKEN_TYPES = (3, 4)  # llama.cpp: CONTROL and USER_DEFINED
+
+
+class TokenizerError(ValueError):
+    """The tokenizer metadata is unsupported or inconsistent."""
+
+
+def _pre_tokenizer(pre: str | None) -> Any:
+    """The ``tokenizers`` pre-tokenizer equivalent to llama.cpp's BPE pre type ``pre``."""
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in (None, "default", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    patterns = {"llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN}
+    if pre in patterns:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(patterns[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: smollm, gpt2, llama-bpe, qwen2)")
+
+
+class Tokenizer:
+    """Encode/decode text and render chat prompts for one model.
+
+    ``bos_id``/``eos_id`` may be None when the model has none; ``stop_ids`` are the token ids
+    that end a generation (EOS plus turn-end specials present in the vocabulary).
+    ``encode`` prepends BOS only when the model asks for it (``add_bos``).
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        chat_template: str | None,
+        add_bos: bool = False,
+        extra_stop_ids: Iterable[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        stops = {eos_id} if eos_id is not None else set()
+        stops.update(extra_stop_ids)
+        for token in _TURN_END_TOKENS:
+            token_id = backend.token_to_id(token)
+            if token_id is not None:
+                stops.add(token_id)
+        self.stop_ids: frozenset[int] = frozenset(stops)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf_reader(cls, reader: Any) -> Tokenizer:
+        """Build from an open ``gguf.GGUFReader`` (``tokenizer.ggml.*`` fields, gpt2-style BPE)."""
+
+        def value(key: str) -> Any:
+            field = reader.fields.get(key)
+            return None if field is None else field.contents()
+
+        kind = value("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"only byte-level BPE (tokenizer.ggml.model = 'gpt2') GGUF tokenizers are supported, got {kind!r}")
+        tokens: list[str] = value("tokenizer.ggml.tokens")
+        merges: list[str] = value("tokenizer.ggml.merges") or []
+        types: list[int] = value("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab: dict[str, int] = {}
+        for index, token in enumerate(tokens):
+            vocab.setdefault(token, index)
+        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+        backend.pre_tokenizer = _pre_tokenizer(value("tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        specials = [tokens[i] for i, kind_id in enumerate(types) if kind_id in _SPECIAL_TOKEN_TYPES]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        extra = value("tokenizer.ggml.eot_token_id")
+        return cls(
+            backend,
+            bos_id=value("tokenizer.ggml.bos_token_id"),
+            eos_id=value("tokenizer.ggml.eos_token_id"),
+            chat_template=value("tokenizer.chat_template"),
+            add_bos=bool(value("tokenizer.ggml.add_bos_token")),
+            extra_stop_ids=[extra] if extra is not None else (),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build from the tokenizer metadata of a GGUF file."""
+        import gguf
+
+        return cls.from_gguf_reader(gguf.GGUFReader(str(path)))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Build from ``tokenizer.json`` plus optional ``tokenizer_config.json`` / ``config.json``.
+
+        Works for Hugging Face model folders and for folders written by :meth:`save`.
+        """
+        folder = Path(folder)
+        backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+        settings = _read_json(folder / "tokenizer_config.json")
+        model_config = _read_json(folder / "config.json")
+
+        def token_id(entry: Any) -> int | None:
+            if isinstance(entry, Mapping):
+                entry = entry.get("content")
+            return backend.token_to_id(entry) if isinstance(entry, str) else None
+
+        bos_id = token_id(settings.get("bos_token"))
+        eos_id = token_id(settings.get("eos_token"))
+        extra: list[int] = []
+        config_eos = model_config.get("eos_token_id")
+        for candidate in config_eos if isinstance(config_eos, list) else [config_eos]:
+            if isinstance(candidate, int):
+                extra.append(candidate)
+                eos_id = candidate if eos_id is None else eos_id
+        if bos_id is None and isinstance(model_config.get("bos_token_id"), int):
+            bos_id = model_config["bos_token_id"]
+        template = settings.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            chat_template=template if isinstance(template, str) else None,
+            add_bos=bool(settings.get("add_bos_token", False)),
+            extra_stop_ids=extra,
+        )
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` that :meth:`from_folder` reads back."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        settings = {
+            "bos_token": self.backend.id_to_token(self.bos_id) if self.bos_id is not None else None,
+            "eos_token": self.backend.id_to_token(self.eos_id) if self.eos_id is not None else None,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+            "treeserve_stop_ids": sorted(self.stop_ids),
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=1), encoding="utf-8")
+
+    # ------------------------------------------------------------------ use
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text`` (special-token strings in it map to their ids).
+
+        BOS is prepended when ``add_bos`` is True, or when it is None and the model asks for it.
+        """
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (invalid UTF-8 byte runs become U+FFFD)."""
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``{"role", "content"}`` dicts) with the model's own Jinja template.
+
+        The template runs in jinja2's immutable sandbox with HF's settings (trim_blocks,
+        lstrip_blocks). Raises :class:`TokenizerError` if the model has no template.
+        """
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat template error: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.backend.id_to_token(self.bos_id) if self.bos_id is not None else "",
+            eos_token=self.backend.id_to_token(self.eos_id) if self.eos_id is not None else "",
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat prompt (BOS added only if the template lacks it)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ids = self.encode(text, add_bos=False)
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text deltas that never split a multi-byte character.
+
+    ``push(ids)`` returns the new, complete text; bytes of an unfinished UTF-8 character are
+    held back until a later token completes them. ``finish()`` returns whatever is left
+    (with U+FFFD for a truly broken tail). Only a short window of ids is re-decoded per call.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the window decoded for context
+        self._read_offset = 0  # ids before this have been emitted
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Append ``ids`` and return the newly completed text (possibly empty)."""
+        self._ids.extend(int(i) for i in ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""
+
+    def finish(self) -> str:
+        """Flush any held-back text at the end of the stream."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}

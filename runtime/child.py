@@ -1,0 +1,99 @@
+"""Entry point of a child process: ``python -m treeserve.runtime.child PARENT_PID``.
+
+Reads a ``ChildLaunch`` spec from stdin, hosts the one actor it names on a fresh node
+under uvloop, reports readiness to the parent's runtime, beats heartbeats to it, and
+exits when stdin reaches EOF (the parent closed it, or died) or on SIGTERM. This module
+is a program entry point, so it owns its event loop; library code never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import signal
+import sys
+
+from treeserve.runtime.process import (
+    ChildLaunch,
+    decode_args,
+    read_launch,
+    set_parent_death_signal,
+)
+
+__all__ = ["main"]
+
+_READY_TIMEOUT_S = 10.0
+
+
+def _import_actor(path: str) -> type:
+    module_name, _, qualname = path.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{path} is not a class")
+    return obj
+
+
+async def _serve(spec: ChildLaunch) -> None:
+    from treeserve.runtime.actor import Actor
+    from treeserve.runtime.config import RuntimeConfig
+    from treeserve.runtime.runtime import SYSTEM_ACTOR, Runtime
+    from treeserve.transport.messages import ActorAddress
+
+    actor_cls = _import_actor(spec.actor)
+    if not issubclass(actor_cls, Actor):
+        raise TypeError(f"{spec.actor} is not an Actor subclass")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_stdin() -> None:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data:  # EOF: the parent closed the death pipe or died
+            loop.remove_reader(0)
+            stop.set()
+
+    loop.add_reader(0, on_stdin)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    config = RuntimeConfig(
+        bind=spec.bind,
+        parent_endpoint=spec.parent_endpoint,
+        node_name=spec.node_name,
+        heartbeat_interval_s=spec.heartbeat_interval_s,
+        close_timeout_s=2.0,
+    )
+    async with Runtime(config) as rt:
+        await rt.spawn(actor_cls, *decode_args(spec.args, rt.node), name=spec.name)
+        parent = rt.node.ref(ActorAddress(spec.parent_endpoint, SYSTEM_ACTOR))
+        await parent.ask(
+            "child_ready",
+            {"node": spec.node_name, "endpoint": rt.endpoint, "pid": os.getpid()},
+            timeout=_READY_TIMEOUT_S,
+        )
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one child; returns the process exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        sys.stderr.write("usage: python -m treeserve.runtime.child PARENT_PID (spec on stdin)\n")
+        return 2
+    spec = read_launch(sys.stdin.buffer)
+    if spec.use_pdeathsig:
+        set_parent_death_signal()
+    # The parent may have died before prctl took effect: then we were re-parented.
+    if os.getppid() != int(args[0]):
+        return 1
+    import uvloop
+
+    uvloop.run(_serve(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

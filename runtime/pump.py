@@ -1,0 +1,121 @@
+"""``SocketPump``: event-loop-driven, callback-based I/O on one zmq socket.
+
+Each received message is handed to a callback straight from the loop's reader
+callback: no task, no future and no pyzmq asyncio bookkeeping per message, which keeps
+the runtime's per-message cost close to the bare socket's. Sends never block: they
+succeed at once or report failure (peer queue full, peer gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["SocketPump"]
+
+_log = logging.getLogger(__name__)
+_MAX_BATCH = 256  # messages handled per reader callback before yielding to the loop
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+
+
+class SocketPump:
+    """Reads every message of ``sock`` into ``on_message(frames)`` from the event loop
+    and sends without blocking.
+
+    The zmq file descriptor is edge-triggered: it only signals that events *may* have
+    changed, and any send or receive can consume that signal. So the reader drains until
+    ``ZMQ_EVENTS`` says nothing is left, and every send re-checks for pending input.
+    ``on_message`` must not raise (exceptions are logged and the message dropped).
+    """
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        on_message: Callable[[list[zmq.Frame]], None],
+        name: str,
+    ) -> None:
+        self._owner = sock  # owns the libzmq socket; closed by ``close``
+        self._sock = zmq.Socket.shadow(sock.underlying)
+        self._on_message = on_message
+        self._name = name
+        self._loop = asyncio.get_running_loop()
+        self._is_drain_scheduled = False
+        self._is_closed = False
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_drain()  # messages may already be waiting
+
+    def _schedule_drain(self) -> None:
+        if not self._is_drain_scheduled and not self._is_closed:
+            self._is_drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._is_drain_scheduled = False
+        if self._is_closed:
+            return
+        sock = self._sock
+        on_message = self._on_message
+        for _ in range(_MAX_BATCH):
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                _log.exception("%s: receive failed", self._name)
+                return
+            try:
+                on_message(frames)
+            except Exception:
+                _log.exception("%s: failed to handle a message", self._name)
+        self._schedule_drain()  # more may be waiting: let other callbacks run first
+
+    def send_nowait(self, frames: list[Any]) -> bool:
+        """Send one message now; False when zmq refuses (queue full, peer gone)."""
+        if self._is_closed:
+            return False
+        sock = self._sock
+        try:
+            sock.send_multipart(frames, _NOBLOCK, copy=False)
+        except zmq.ZMQError:  # Again (HWM reached) or EHOSTUNREACH (ROUTER_MANDATORY)
+            ok = False
+        else:
+            ok = True
+        # Sending may have consumed the edge announcing new input.
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            self._schedule_drain()
+        return ok
+
+    async def send(self, frames: list[Any]) -> bool:
+        """Send, waiting (polling every millisecond) while the peer's queue is full;
+        False when the socket closed or the peer is unreachable."""
+        while not self._is_closed:
+            try:
+                self._sock.send_multipart(frames, _NOBLOCK, copy=False)
+            except zmq.Again:
+                await asyncio.sleep(0.001)
+                continue
+            except zmq.ZMQError:
+                return False
+            finally:
+                if not self._is_closed and self._sock.getsockopt(_EVENTS) & _POLLIN:
+                    self._schedule_drain()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Stop reading and close the socket (no linger). Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._loop.remove_reader(self._fd)
+        self._owner.close(linger=0)

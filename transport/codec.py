@@ -1,0 +1,401 @@
+"""Message <-> zmq frames codec.
+
+Frame 0 is a msgpack map with named keys (``{"v": 1, "kind": ..., ...fields}``); every
+tensor inside a ``body`` becomes a msgpack ext ``EXT_TENSOR`` referring to one raw-bytes
+frame (index >= 1), and every ``ActorAddress`` an ext ``EXT_ACTOR_REF``. ``decode``
+checks every size, length, depth, type and tensor geometry before returning a message,
+and never unpickles anything. The field rules live in ``treeserve.transport.schema``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgpack
+import zmq
+
+from treeserve.transport.errors import DecodeError, EncodeError, TransportError
+from treeserve.transport.messages import ActorAddress, Message, kind_of
+from treeserve.transport.schema import build_message, header_fields
+from treeserve.transport.tensors import is_tensor, tensor_from_frame, tensor_to_frame
+from treeserve.transport.wire import (
+    DEFAULT_LIMITS,
+    EXT_ACTOR_REF,
+    EXT_TENSOR,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Kind,
+    WireLimits,
+)
+
+__all__ = ["DecodeError", "EncodeError", "TransportError", "decode", "encode"]
+
+# An ext payload (tensor or actor ref) is a tiny map; anything bigger is hostile.
+_MAX_EXT_PAYLOAD_BYTES = 4096
+_MAX_TENSOR_DIMS = 32
+
+FrameLike = bytes | memoryview | zmq.Frame
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode(msg: Message, limits: WireLimits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
+    """Encode ``msg`` into zmq frames: frame 0 is the msgpack header map, then one raw
+    frame per tensor found in the body, in serialization order. Tensors of at least
+    ``limits.zero_copy_threshold`` bytes are returned as memoryviews of the tensor's own
+    (contiguous) buffer, so the caller must not mutate them until zmq has sent them.
+    Raises ``EncodeError`` for values that cannot be sent (unsupported types, non-str
+    map keys, non-CPU tensors) or a message a peer with the same ``limits`` would reject."""
+    header = header_fields(msg)  # raises EncodeError on mistyped fields
+    kind = kind_of(msg)
+    full: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind.value, **header}
+    _check_encode_shape(full, limits)
+    frames: list[bytes | memoryview] = [b""]
+    sink = _EncodeSink(frames, limits)
+    try:
+        packed = msgpack.packb(full, default=sink.default, use_bin_type=True, datetime=False)
+    except EncodeError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EncodeError(f"cannot encode {kind.value} message: {exc}") from exc
+    frames[0] = packed
+    _check_encode_sizes(frames, limits)
+    return frames
+
+
+class _EncodeSink:
+    """msgpack ``default`` hook that turns tensors / addresses into ext references."""
+
+    def __init__(self, frames: list[bytes | memoryview], limits: WireLimits) -> None:
+        self._frames = frames
+        self._limits = limits
+
+    def default(self, obj: object) -> Any:
+        if isinstance(obj, ActorAddress):
+            payload = msgpack.packb({"endpoint": obj.endpoint, "name": obj.name})
+            return msgpack.ExtType(EXT_ACTOR_REF, payload)
+        if is_tensor(obj):
+            dtype, shape, frame = tensor_to_frame(obj, self._limits.zero_copy_threshold)
+            index = len(self._frames)
+            self._frames.append(frame)
+            payload = msgpack.packb({"dtype": dtype, "shape": shape, "frame": index})
+            return msgpack.ExtType(EXT_TENSOR, payload)
+        scalar = _numpy_scalar(obj)
+        if scalar is not None:
+            return scalar
+        raise EncodeError(
+            f"cannot put a {type(obj).__module__}.{type(obj).__qualname__} on the wire "
+            "(allowed: None, bool, int, float, str, bytes, list, tuple, dict with str keys, "
+            "numpy arrays, torch CPU tensors, ActorAddress)"
+        )
+
+
+def _numpy_scalar(obj: object) -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a hard dependency
+        return None
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+        return obj.item()
+    return None
+
+
+def _check_encode_shape(header: dict[str, Any], limits: WireLimits) -> None:
+    """Depth, length and map-key checks a peer would apply, done before packing."""
+    stack: list[tuple[Any, int]] = [(header, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise EncodeError(f"message nesting depth exceeds max_depth={limits.max_depth}")
+        if len(obj) > limits.max_container_len:
+            raise EncodeError(
+                f"a {type(obj).__name__} has {len(obj)} items > "
+                f"max_container_len={limits.max_container_len}"
+            )
+        if isinstance(obj, dict):
+            for key in obj:
+                if not isinstance(key, str | bytes):
+                    raise EncodeError(f"map keys must be str or bytes, got {type(key).__name__}")
+                _check_str_len(key, limits)
+            values: Any = obj.values()
+        else:
+            values = obj
+        for value in values:
+            if isinstance(value, dict | list | tuple):
+                stack.append((value, depth + 1))
+            elif isinstance(value, str | bytes):
+                _check_str_len(value, limits)
+
+
+def _check_str_len(value: str | bytes, limits: WireLimits) -> None:
+    # A str's wire length is its UTF-8 size, at most 4 bytes per character.
+    if len(value) * 4 <= limits.max_str_len:
+        return
+    size = len(value.encode()) if isinstance(value, str) else len(value)
+    if size > limits.max_str_len:
+        raise EncodeError(f"a str/bin of {size} bytes exceeds max_str_len={limits.max_str_len}")
+
+
+def _check_encode_sizes(frames: list[bytes | memoryview], limits: WireLimits) -> None:
+    if len(frames) > limits.max_frames:
+        raise EncodeError(f"message needs {len(frames)} frames > max_frames={limits.max_frames}")
+    if len(frames[0]) > limits.max_header_bytes:
+        raise EncodeError(
+            f"header is {len(frames[0])} bytes > max_header_bytes={limits.max_header_bytes}"
+        )
+    total = sum(_nbytes(f) for f in frames)
+    if total > limits.max_message_bytes:
+        raise EncodeError(
+            f"message is {total} bytes > max_message_bytes={limits.max_message_bytes}"
+        )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class _RawExt:
+    """An ext value seen while unpacking; resolved only after the header validated."""
+
+    __slots__ = ("code", "data")
+
+    def __init__(self, code: int, data: bytes) -> None:
+        self.code = code
+        self.data = data
+
+
+def _ext_hook(code: int, data: bytes) -> _RawExt:
+    return _RawExt(code, data)
+
+
+def decode(
+    frames: Sequence[FrameLike],
+    limits: WireLimits = DEFAULT_LIMITS,
+    *,
+    tensor_type: Literal["numpy", "torch"] = "numpy",
+) -> Message:
+    """Validate ``frames`` (as received from a DEALER, i.e. without the ROUTER identity
+    envelope) and decode them into a message. Checks, in order: frame count, total and
+    header size, msgpack structure with declared-length limits, nesting depth, version,
+    kind, required fields and their types, then every tensor reference (known dtype,
+    non-negative shape, frame index in range and used once, byte length matches) and
+    that no frame is left unused. Raises ``DecodeError`` with ``msg_id`` set whenever
+    the header's ``id`` was readable. Tensors come back as read-only numpy arrays
+    sharing the frame memory, or torch tensors (``tensor_type="torch"``); with numpy,
+    bfloat16 decodes to an exactly equal float32 array."""
+    if tensor_type not in ("numpy", "torch"):
+        raise ValueError(f"tensor_type must be 'numpy' or 'torch', got {tensor_type!r}")
+    views = [_as_view(f) for f in frames]
+    if not views:
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "message has no frames")
+    if len(views) > limits.max_frames:
+        raise DecodeError(
+            ErrorCode.TOO_LARGE, f"{len(views)} frames > max_frames={limits.max_frames}"
+        )
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_message_bytes:
+        raise DecodeError(
+            ErrorCode.TOO_LARGE,
+            f"message is {total} bytes > max_message_bytes={limits.max_message_bytes}",
+        )
+    head = views[0]
+    if head.nbytes > limits.max_header_bytes:
+        raise DecodeError(
+            ErrorCode.TOO_LARGE,
+            f"header is {head.nbytes} bytes > max_header_bytes={limits.max_header_bytes}",
+        )
+    header = _unpack_header(head, limits)
+    msg_id = _readable_id(header)
+    _check_version_and_kind(header, msg_id)
+    sink = _DecodeSink(views, limits, tensor_type, msg_id)
+    _resolve(header, limits, sink, msg_id)
+    sink.check_all_used()
+    return build_message(header, msg_id)
+
+
+def _as_view(frame: FrameLike) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        view = frame.buffer
+    else:
+        view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _nbytes(frame: bytes | memoryview) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def _unpack_header(head: memoryview, limits: WireLimits) -> dict[str, Any]:
+    size = head.nbytes
+    # Each declared element needs at least one byte (two for a map entry), so a length
+    # above the buffer size is a lie; cap by it so msgpack never preallocates a bomb.
+    try:
+        header = msgpack.unpackb(
+            head,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_ext_hook,
+            max_str_len=min(limits.max_str_len, size),
+            max_bin_len=min(limits.max_str_len, size),
+            max_ext_len=min(_MAX_EXT_PAYLOAD_BYTES, size),
+            max_array_len=min(limits.max_container_len, size),
+            max_map_len=min(limits.max_container_len, size // 2),
+        )
+    except msgpack.exceptions.StackError as exc:
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "header nesting too deep") from exc
+    except ValueError as exc:  # FormatError, ExtraData, UnicodeDecodeError, limit errors
+        text = str(exc)
+        code = ErrorCode.TOO_LARGE if "exceeds max_" in text else ErrorCode.BAD_MESSAGE
+        raise DecodeError(code, f"malformed msgpack header: {text or type(exc).__name__}") from exc
+    except (TypeError, RecursionError, MemoryError) as exc:
+        raise DecodeError(ErrorCode.BAD_MESSAGE, f"malformed msgpack header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "header is not a msgpack map")
+    return header
+
+
+def _readable_id(header: dict[str, Any]) -> int | None:
+    value = header.get("id")
+    if type(value) is int and 0 <= value < 2**64:
+        return value
+    return None
+
+
+def _check_version_and_kind(header: dict[str, Any], msg_id: int | None) -> None:
+    if "v" not in header:
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "header has no 'v' (version)", msg_id)
+    version = header["v"]
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise DecodeError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version!r} is not supported (this peer speaks "
+            f"{PROTOCOL_VERSION})",
+            msg_id,
+        )
+    kind = header.get("kind")
+    if not isinstance(kind, str):
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "header 'kind' missing or not a str", msg_id)
+    if kind not in Kind.__members__.values():
+        raise DecodeError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind!r}", msg_id)
+
+
+class _DecodeSink:
+    """Turns ext references into tensors / addresses, tracking which frames were used."""
+
+    def __init__(
+        self,
+        views: list[memoryview],
+        limits: WireLimits,
+        tensor_type: Literal["numpy", "torch"],
+        msg_id: int | None,
+    ) -> None:
+        self._views = views
+        self._limits = limits
+        self._tensor_type = tensor_type
+        self._msg_id = msg_id
+        self._used = [False] * len(views)
+        self._used[0] = True
+
+    def resolve(self, ext: _RawExt) -> Any:
+        if ext.code == EXT_TENSOR:
+            return self._tensor(ext.data)
+        if ext.code == EXT_ACTOR_REF:
+            return self._actor_ref(ext.data)
+        raise DecodeError(
+            ErrorCode.BAD_MESSAGE, f"unknown msgpack ext type {ext.code}", self._msg_id
+        )
+
+    def _payload(self, data: bytes, what: str, code: ErrorCode) -> dict[str, Any]:
+        try:
+            payload = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=True,
+                max_str_len=len(data),
+                max_bin_len=0,
+                max_ext_len=0,
+                max_array_len=min(len(data), _MAX_TENSOR_DIMS),
+                max_map_len=8,
+            )
+        except (ValueError, TypeError) as exc:
+            raise DecodeError(code, f"malformed {what} ext payload: {exc}", self._msg_id) from exc
+        if not isinstance(payload, dict):
+            raise DecodeError(code, f"{what} ext payload is not a map", self._msg_id)
+        return payload
+
+    def _tensor(self, data: bytes) -> Any:
+        payload = self._payload(data, "tensor", ErrorCode.BAD_TENSOR)
+        dtype, shape, index = payload.get("dtype"), payload.get("shape"), payload.get("frame")
+        if not isinstance(dtype, str):
+            raise self._bad("tensor 'dtype' missing or not a str")
+        if not isinstance(shape, list) or not all(
+            type(d) is int and d >= 0 for d in shape
+        ):
+            raise self._bad("tensor 'shape' must be an array of non-negative ints")
+        if type(index) is not int or not 1 <= index < len(self._views):
+            raise self._bad(f"tensor 'frame' {index!r} is not in [1, {len(self._views)})")
+        if self._used[index]:
+            raise self._bad(f"tensor frame {index} is referenced twice")
+        self._used[index] = True
+        return tensor_from_frame(
+            dtype,
+            shape,
+            self._views[index],
+            tensor_type=self._tensor_type,
+            copy_below=self._limits.zero_copy_threshold,
+            on_error=self._bad,
+        )
+
+    def _actor_ref(self, data: bytes) -> ActorAddress:
+        payload = self._payload(data, "actor ref", ErrorCode.BAD_MESSAGE)
+        endpoint, name = payload.get("endpoint"), payload.get("name")
+        if not isinstance(endpoint, str) or not isinstance(name, str):
+            raise DecodeError(
+                ErrorCode.BAD_MESSAGE,
+                "actor ref needs str 'endpoint' and str 'name'",
+                self._msg_id,
+            )
+        return ActorAddress(endpoint=endpoint, name=name)
+
+    def _bad(self, text: str) -> DecodeError:
+        return DecodeError(ErrorCode.BAD_TENSOR, text, self._msg_id)
+
+    def check_all_used(self) -> None:
+        unused = [i for i, used in enumerate(self._used) if not used]
+        if unused:
+            raise DecodeError(
+                ErrorCode.BAD_MESSAGE,
+                f"frames {unused} are not referenced by any tensor",
+                self._msg_id,
+            )
+
+
+def _resolve(
+    header: dict[str, Any], limits: WireLimits, sink: _DecodeSink, msg_id: int | None
+) -> None:
+    """Check nesting depth and replace ext markers in place (containers are fresh)."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(header, 1)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise DecodeError(
+                ErrorCode.BAD_MESSAGE,
+                f"header nesting depth exceeds max_depth={limits.max_depth}",
+                msg_id,
+            )
+        if isinstance(container, dict):
+            for key, value in container.items():
+                if isinstance(value, _RawExt):
+                    container[key] = sink.resolve(value)
+                elif isinstance(value, dict | list):
+                    stack.append((value, depth + 1))
+        else:
+            for i, value in enumerate(container):
+                if isinstance(value, _RawExt):
+                    container[i] = sink.resolve(value)
+                elif isinstance(value, dict | list):
+                    stack.append((value, depth + 1))

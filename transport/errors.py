@@ -1,0 +1,32 @@
+"""The transport's small exception hierarchy."""
+
+from __future__ import annotations
+
+from treeserve.transport.wire import ErrorCode
+
+__all__ = ["DecodeError", "EncodeError", "InsecureBindError", "TransportError"]
+
+
+class TransportError(Exception):
+    """Base class of every error raised by ``treeserve.transport``."""
+
+
+class EncodeError(TransportError, ValueError):
+    """A message cannot be put on the wire: an unsupported value inside ``body``, a
+    mistyped field, or a size/depth a peer with the same limits would reject."""
+
+
+class DecodeError(TransportError):
+    """A received message was rejected before anything acted on it. ``code`` says why
+    (reply with it), ``message`` is human-readable, and ``msg_id`` is the offending
+    message's id when the header was readable enough to recover it, else None."""
+
+    def __init__(self, code: ErrorCode, message: str, msg_id: int | None = None) -> None:
+        super().__init__(f"{code.value}: {message}" + ("" if msg_id is None else f" (id={msg_id})"))
+        self.code = code
+        self.message = message
+        self.msg_id = msg_id
+
+
+class InsecureBindError(TransportError, ValueError):
+    """Refused to bind a socket on a non-loopback address without ``allow_public_bind``."""
