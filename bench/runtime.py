@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -175,6 +176,7 @@ async def remote_scenario(transport: ChildTransport, args: argparse.Namespace) -
         ctx.destroy(linger=0)
         proc.kill()
         proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def tensor_scenario(echo: ActorRef, client: FloorClient, args: argparse.Namespace) -> dict[str, Any]:

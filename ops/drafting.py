@@ -28,20 +28,30 @@ class Speculator(Protocol):
     """Drafts token trees for one request and stays in step with its accepted tokens.
 
     ``prefill(prompt_ids)`` starts a request (resets any state). ``propose(params, generator,
-    max_depth=None)`` returns a token tree rooted at the last token seen (the last prompt token,
-    then the last emitted token) whose nodes are at most ``max_depth`` deep (None: the
-    speculator's own limit). ``accept(new_tokens)`` appends the tokens the verifier emitted this
-    step (accepted drafts then the bonus token, which is the next root).
+    max_depth=None, max_nodes=None)`` returns a token tree rooted at the last token seen (the
+    last prompt token, then the last emitted token) with nodes at most ``max_depth`` deep and at
+    most ``max_nodes`` nodes, root included (None: the speculator's own limits). For stochastic
+    verification to stay lossless the limits must be applied by a rule that does not look at
+    this step's random draws (e.g. a worst-case size bound), never by cutting a drawn tree.
+    ``accept(new_tokens)`` appends the tokens the verifier emitted this step (accepted drafts
+    then the bonus token, which is the next root).
     """
 
     def prefill(self, prompt_ids: Sequence[int]) -> None: ...
 
     def propose(
-        self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
     ) -> TokenTree: ...
 
     def accept(self, new_tokens: Sequence[int]) -> None: ...
 
+
+DEFAULT_EXPANSION: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
+"""SpecInfer's expansion config: a chain that branches into 3 at the third step (20 drafts + root)."""
 
 NextLogitsFn = Callable[[list[int], list[int], list[int]], Tensor]
 """``(parents, tokens, frontier) -> logits (F, V)``: the drafter's next-token logits at each
@@ -54,6 +64,16 @@ def validate_expansion(expansion: Sequence[int]) -> tuple[int, ...]:
     if not config or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in config):
         raise ValueError(f"an expansion config is a non-empty sequence of integers >= 1, got {expansion!r}")
     return config
+
+
+def worst_case_num_nodes(expansion: Sequence[int]) -> list[int]:
+    """Most nodes (root included) a tree can have after each expansion step: entry ``d`` bounds
+    the nodes of depth <= ``d`` (no two draws equal), so ``[1, k0 + 1, k0 + k0*k1 + 1, ...]``."""
+    sizes, width = [1], 1
+    for k in expansion:
+        width *= k
+        sizes.append(sizes[-1] + width)
+    return sizes
 
 
 def expand_token_tree(
@@ -106,7 +126,7 @@ class ModelSpeculator:
     token tree (one forward, tree mask + depth positions) because pending slots are only visible
     within one forward. :meth:`accept` commits the pending KV of the accepted draft nodes that
     the last forward computed. ``capacity`` bounds prompt + generated + one tree (default: the
-    model's ``max_seq_len``); expansion stops early rather than overflow it.
+    model's ``max_seq_len``); near it the tree is drafted shallower rather than overflow.
     """
 
     def __init__(self, model: Transformer, expansion: Sequence[int], *, capacity: int | None = None) -> None:
@@ -135,11 +155,18 @@ class ModelSpeculator:
         return self._cache
 
     def propose(
-        self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
     ) -> TokenTree:
-        """Draft a tree rooted at the last token seen (see the class docstring)."""
+        """Draft a tree rooted at the last token seen (see the class docstring).
+
+        The depth is the longest prefix of the expansion config whose worst-case tree fits
+        ``max_depth``, ``max_nodes`` and the cache room, decided before any draw.
+        """
         cache = self._require_cache()
-        expansion = self.expansion if max_depth is None else self.expansion[: max(max_depth, 0)]
         device = self.model.device
         with torch.no_grad():
             # The root's KV may be cached already (propose called again without accept): feed it
@@ -153,13 +180,11 @@ class ModelSpeculator:
             root_logits = logits[0, -1:]  # (1, V)
             committed = int(cache.lengths[0])  # the root sits at position committed - 1
             self._num_fed_drafts = 0
+            expansion = self._fitting_expansion(max_depth, max_nodes, cache.capacity - committed)
 
             def next_logits(parents: list[int], tokens: list[int], frontier: list[int]) -> Tensor:
                 if frontier == [0]:
                     return root_logits
-                num_drafts = len(parents) - 1
-                if committed + num_drafts > cache.capacity:
-                    raise _OutOfRoom
                 # Draft nodes 1..n become new tokens 0..n-1; the (committed) root is their prefix.
                 rel_parents = torch.tensor([p - 1 for p in parents[1:]], dtype=torch.long)  # (n,)
                 mask = tree_mask_from_parents(rel_parents)  # (n, n)
@@ -167,29 +192,26 @@ class ModelSpeculator:
                 positions = (committed - 1 + depths)[None].to(device)  # (1, n)
                 draft_tokens = torch.tensor([tokens[1:]], dtype=torch.long, device=device)  # (1, n)
                 out = self._forward(cache, draft_tokens, mask[None].to(device), positions)  # (1, n, V)
-                self._num_fed_drafts = num_drafts
+                self._num_fed_drafts = len(parents) - 1
                 return out[0, torch.tensor(frontier, device=device) - 1]  # (F, V)
 
-            tree = self._expand_within_room(expansion, next_logits, params, generator)
+            if expansion:
+                tree = expand_token_tree(self._history[-1], expansion, next_logits, params, generator)
+            else:
+                tree = TokenTree.from_parents([-1], [self._history[-1]])
         self._last_tree = tree
         return tree
 
-    def _expand_within_room(
-        self,
-        expansion: tuple[int, ...],
-        next_logits: NextLogitsFn,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> TokenTree:
-        root = self._history[-1]
-        if not expansion:
-            return TokenTree.from_parents([-1], [root])
-        for depth in range(len(expansion), 0, -1):
-            try:
-                return expand_token_tree(root, expansion[:depth], next_logits, params, generator)
-            except _OutOfRoom:
-                continue
-        return TokenTree.from_parents([-1], [root])
+    def _fitting_expansion(self, max_depth: int | None, max_nodes: int | None, room: int) -> tuple[int, ...]:
+        expansion = self.expansion if max_depth is None else self.expansion[: max(max_depth, 0)]
+        sizes = worst_case_num_nodes(expansion)
+        depth = len(expansion)
+        # Step d (d >= 1) feeds the drafts of depth <= d, so depth D needs sizes[D - 1] - 1 slots.
+        while depth > 0 and (
+            (max_nodes is not None and sizes[depth] > max_nodes) or sizes[depth - 1] - 1 > room
+        ):
+            depth -= 1
+        return expansion[:depth]
 
     def _forward(self, cache: KVCache, tokens: Tensor, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
         out = self.model(tokens, cache, tree_mask=tree_mask, positions=positions)
@@ -220,7 +242,3 @@ class ModelSpeculator:
         self._history.extend(int(t) for t in new_tokens)
         self._last_tree = None
         self._num_fed_drafts = 0
-
-
-class _OutOfRoom(Exception):
-    """Internal: the next drafting forward would not fit the speculator's cache."""

@@ -12,6 +12,7 @@ every node's logits equal those of a plain causal pass over its root-to-node pat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,8 @@ class Attention(nn.Module):
         values = cache.values[layer][:, :, :num_slots]
         out = attention_under_mask(q, keys, values, mask, is_causal=is_causal)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*hd)
-        return self.o_proj(out)
+        result: Tensor = self.o_proj(out)
+        return result
 
 
 class MLP(nn.Module):
@@ -132,7 +134,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        result: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
 
 
 class Block(nn.Module):
@@ -158,6 +161,9 @@ class Transformer(nn.Module):
     token tree pass ``lengths[b] + depth`` (roots have depth 0). Runs under
     ``torch.inference_mode`` (inference only; the cache is updated in place).
     """
+
+    rope_cos: Tensor  # (max_seq_len, hd) float32 buffers, not saved in state dicts
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -234,6 +240,18 @@ class Transformer(nn.Module):
         small.rope_sin = self.rope_sin
         return small
 
+    @overload
+    def forward(
+        self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = ..., positions: Tensor | None = ...,
+        return_hidden: Literal[False] = ...,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = ..., positions: Tensor | None = ...,
+        return_hidden: Literal[True],
+    ) -> tuple[Tensor, Tensor]: ...
+
     @torch.inference_mode()
     def forward(
         self,
@@ -247,21 +265,27 @@ class Transformer(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
         batch, num_new = tokens.shape
+        if num_new == 0:
+            raise ValueError("forward needs at least one new token per row (tokens of shape (B, 0) given)")
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(
                 f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit tokens batch "
                 f"{batch} and a {len(self.layers)}-layer model"
             )
-        if tree_mask is not None and tree_mask.shape != (batch, num_new, num_new):
-            raise ValueError(f"tree_mask must be (B, T, T) = {(batch, num_new, num_new)}, got {tuple(tree_mask.shape)}")
-        lengths = cache.begin_write(num_new)
-        num_slots = max(lengths) + num_new
+        if tree_mask is not None and (tree_mask.shape != (batch, num_new, num_new) or tree_mask.dtype != torch.bool):
+            raise ValueError(
+                f"tree_mask must be a bool tensor of shape (B, T, T) = {(batch, num_new, num_new)}, "
+                f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+            )
         if positions is None:
             positions = cache.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
         elif positions.shape != (batch, num_new):
             raise ValueError(f"positions must be (B, T) = {(batch, num_new)}, got {tuple(positions.shape)}")
-        if num_slots > self.config.max_seq_len or (positions.numel() and int(positions.max()) >= self.config.max_seq_len):
-            raise ValueError(f"positions beyond the model's max_seq_len {self.config.max_seq_len}")
+        if int(positions.max()) >= self.config.max_seq_len or int(positions.min()) < 0:
+            raise ValueError(f"positions must lie in [0, max_seq_len={self.config.max_seq_len})")
+        # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
+        lengths = cache.begin_write(num_new)
+        num_slots = max(lengths) + num_new
 
         # One mask for all layers; None when every visible slot is attended (plain decode).
         same_lengths = all(length == lengths[0] for length in lengths)
@@ -275,7 +299,8 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(dtype)[:, None]
 
         h = self.embed_tokens(tokens)  # (B, T, D)
-        for index, block in enumerate(self.layers):
+        for index, module in enumerate(self.layers):
+            block = cast(Block, module)
             h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
             h = h + block.mlp(block.post_attention_layernorm(h))
         h = self.norm(h)

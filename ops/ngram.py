@@ -92,9 +92,17 @@ class NGramSpeculator:
         return []
 
     def propose(
-        self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
     ) -> TokenTree:
-        """A trie of the matched continuations rooted at the last token (root only if no match)."""
+        """A trie of the matched continuations rooted at the last token (root only if no match).
+
+        ``max_nodes`` cuts the trie (branches in match order); that is lossless here because
+        the proposals are a deterministic function of the tokens so far, not random draws.
+        """
         if not self._history:
             raise RuntimeError("NGramSpeculator.prefill must be called before propose")
         depth = self.num_draft_tokens if max_depth is None else max_depth
@@ -104,6 +112,8 @@ class NGramSpeculator:
             for token in continuation:
                 child = builder.find_child(node, token)
                 if child is None:
+                    if max_nodes is not None and builder.num_nodes >= max_nodes:
+                        break
                     q_row = None
                     if not params.is_greedy:
                         q_row = builder.add_probs(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float())

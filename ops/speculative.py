@@ -5,7 +5,9 @@ generation ends right after a token in ``params.stop_token_ids`` (kept in the ou
 ``params.max_new_tokens`` tokens exist. The speculative loop verifies one token tree per step
 with one LLM forward (tree mask + depth positions), commits the accepted path in the LLM's
 KV cache and feeds the emitted tokens back to the speculators. Functions are per request
-(batch 1); a batched verifier reuses :func:`verify_step_row` per row.
+(batch 1); a batched verifier packs its rows' trees with
+:func:`~treeserve.ops.token_tree.pack_trees`, runs one forward, then calls the verifier and
+``cache.commit`` per row exactly as here.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from treeserve.ops.drafting import Speculator
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator, sample_token
-from treeserve.ops.token_tree import TokenTree, merge_trees
-from treeserve.ops.verify import VerifyFn, VerifyResult, verify
+from treeserve.ops.token_tree import TokenTree, merge_trees, pack_trees
+from treeserve.ops.verify import VerifyFn, verify
 
 
 class FinishReason(enum.Enum):
@@ -138,17 +140,16 @@ def generate_incremental(
             feed = [token]
 
 
-def verify_step_row(
-    model_logits: Tensor, tree: TokenTree, params: SamplingParams, generator: torch.Generator | None, verifier: VerifyFn
-) -> VerifyResult:
-    """Verify one row: ``model_logits`` ``(T, V)`` are the LLM's logits for ``tree``'s nodes."""
-    return verifier(tree, model_logits, params, generator)
-
-
-def _fit_tree(tree: TokenTree, max_depth: int, max_nodes: int) -> TokenTree:
-    # Both limits are monotone along a root-to-leaf path, so the kept set is ancestor-closed.
-    keep = (tree.depths() <= max_depth) & (torch.arange(tree.num_nodes) < max_nodes)
-    return tree if bool(keep.all()) else tree.restricted(keep)
+def _check_tree(tree: TokenTree, root: int, max_depth: int, max_nodes: int) -> None:
+    # Speculators must respect the limits themselves: cutting a drawn tree here would depend on
+    # the draws and bias stochastic verification.
+    if tree.root_token != root:
+        raise RuntimeError(f"a speculator proposed a tree rooted at {tree.root_token}, expected {root}")
+    if tree.num_nodes > max_nodes or int(tree.depths().max()) > max_depth:
+        raise RuntimeError(
+            f"speculators proposed {tree.num_nodes} nodes / depth {int(tree.depths().max())}, "
+            f"above the limits {max_nodes} / {max_depth} they were given"
+        )
 
 
 def generate_speculative(
@@ -165,10 +166,11 @@ def generate_speculative(
     """Tree-based speculative generation of one request; lossless w.r.t. incremental decoding.
 
     The LLM prefills ``prompt[:-1]``; each step the speculators draft trees rooted at the last
-    token, the trees are merged (``mode``), trimmed to the tokens still allowed and to
-    ``max_tree_nodes`` nodes, verified by ``verifier`` (default: greedy or multi-step speculative
-    sampling by ``params``; tests inject wrong ones) after one LLM forward, the accepted path is
-    committed and the emitted tokens (accepted drafts + bonus) go to the speculators.
+    token within the depth still useful and a share of ``max_tree_nodes`` (and of the cache
+    room), the trees are merged (``mode``) and, after one LLM forward, verified by ``verifier``
+    (default: greedy or multi-step speculative sampling by ``params``; tests inject wrong
+    ones); the accepted path is committed and the emitted tokens (accepted drafts + bonus) go
+    to the speculators.
     With no speculators every step verifies a root-only tree (incremental decoding).
     """
     prompt = _check_prompt(model, prompt_ids, params)
@@ -190,23 +192,24 @@ def generate_speculative(
         root = prompt[-1]
         while True:
             remaining = params.max_new_tokens - len(emitted)
-            trees = [s.propose(params, generator, max_depth=remaining - 1) for s in speculators]
+            length = int(cache.lengths[0])
+            room = min(capacity - length, max_tree_nodes)
+            # The merged tree has at most 1 + sum(nodes_k - 1) nodes, so split the room.
+            per_speculator = 1 + (room - 1) // max(len(speculators), 1)
+            trees = [s.propose(params, generator, remaining - 1, per_speculator) for s in speculators]
             tree = merge_trees(trees) if trees else TokenTree.from_parents([-1], [root])
-            if tree.root_token != root:
-                raise RuntimeError(f"a speculator proposed a tree rooted at {tree.root_token}, expected {root}")
             if mode is SpeculationMode.CHAIN:
                 tree = tree.first_chain()
-            length = int(cache.lengths[0])
-            tree = _fit_tree(tree, remaining - 1, capacity - length)
-            positions = (length + tree.depths())[None].to(device)  # (1, T)
+            _check_tree(tree, root, remaining - 1, room)
+            packed = pack_trees([tree], [length])
             logits = _logits(
                 model,
-                tree.tokens[None].to(device),
+                packed.tokens.to(device),
                 cache,
-                tree_mask=tree.tree_mask()[None].to(device),
-                positions=positions,
+                tree_mask=packed.tree_mask.to(device),
+                positions=packed.positions.to(device),
             )  # (1, T, V)
-            result = verify_step_row(logits[0], tree, params, generator, verifier)
+            result = verifier(tree, logits[0], params, generator)
             accepted_per_step.append(result.num_accepted_drafts)
             new_tokens = result.new_tokens(tree)
             _, finish = emit_until_done(emitted, new_tokens, params)

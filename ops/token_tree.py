@@ -149,15 +149,16 @@ class TokenTree:
 
     def depths(self) -> Tensor:
         """Depth per node ``(T,)``; the root has depth 0. Tree positions are ``length + depth``."""
-        depth = torch.zeros(self.num_nodes, dtype=torch.long)
         par = self.parents.tolist()
+        depth = [0] * self.num_nodes
         for i in range(1, self.num_nodes):
             depth[i] = depth[par[i]] + 1
-        return depth
+        return torch.tensor(depth, dtype=torch.long)
 
     def tree_mask(self) -> Tensor:
         """Bool ``(T, T)``: ``mask[i, j]`` iff ``j`` is ``i`` or an ancestor of ``i``."""
-        return tree_mask_from_parents(self.parents)
+        mask: Tensor = tree_mask_from_parents(self.parents)
+        return mask
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` inclusive (ascending)."""
@@ -365,3 +366,38 @@ def merge_trees(trees: Sequence[TokenTree]) -> TokenTree:
             )
         spec_offset += tree.num_speculators
     return builder.build()
+
+
+@dataclass(frozen=True, eq=False)
+class PackedTrees:
+    """Forward inputs for a batch of token trees, one per cache row, padded to a common ``T``.
+
+    ``tokens`` ``(B, T)``, ``tree_mask`` bool ``(B, T, T)``, ``positions`` ``(B, T)`` (committed
+    length + depth), ``num_nodes`` the real node count per row. Padding slots hold
+    ``pad_token_id``, see only themselves, are seen by no real node and sit at the row's
+    committed length, so after the forward row ``b``'s logits ``[:num_nodes[b]]`` belong to
+    its tree and commit keeps only real nodes.
+    """
+
+    tokens: Tensor
+    tree_mask: Tensor
+    positions: Tensor
+    num_nodes: tuple[int, ...]
+
+
+def pack_trees(trees: Sequence[TokenTree], lengths: Sequence[int], pad_token_id: int = 0) -> PackedTrees:
+    """Pad ``trees`` (row ``b`` has committed length ``lengths[b]``) into one batched forward's inputs."""
+    if not trees or len(trees) != len(lengths):
+        raise ValueError(f"pack_trees needs one committed length per tree, got {len(trees)} trees and {len(lengths)} lengths")
+    width = max(t.num_nodes for t in trees)
+    batch = len(trees)
+    tokens = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # (B, T, T) padding sees itself
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    for row, (tree, length) in enumerate(zip(trees, lengths)):
+        n = tree.num_nodes
+        tokens[row, :n] = tree.tokens
+        mask[row, :n, :n] = tree.tree_mask()
+        positions[row] = int(length)
+        positions[row, :n] += tree.depths()
+    return PackedTrees(tokens, mask, positions, tuple(t.num_nodes for t in trees))

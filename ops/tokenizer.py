@@ -100,7 +100,7 @@ class Tokenizer:
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):
             vocab.setdefault(token, index)
-        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+        merge_pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
         backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
         backend.pre_tokenizer = _pre_tokenizer(value("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
@@ -147,6 +147,9 @@ class Tokenizer:
             if isinstance(candidate, int):
                 extra.append(candidate)
                 eos_id = candidate if eos_id is None else eos_id
+        saved_stops = settings.get("treeserve_stop_ids")
+        if isinstance(saved_stops, list):
+            extra.extend(i for i in saved_stops if isinstance(i, int))
         if bos_id is None and isinstance(model_config.get("bos_token_id"), int):
             bos_id = model_config["bos_token_id"]
         template = settings.get("chat_template")

@@ -116,5 +116,6 @@ def tree_attention_from_parents(q: Tensor, k: Tensor, v: Tensor, prefix_lengths:
     if q.is_cuda and is_cuda_kernel_available():
         from treeserve.ops.kernels.tree_attention_cuda import tree_attention_cuda
 
-        return tree_attention_cuda(q, k, v, prefix_lengths, parents)
+        result: Tensor = tree_attention_cuda(q, k, v, prefix_lengths, parents)
+        return result
     return tree_attention(q, k, v, prefix_lengths, tree_mask_from_parents(parents))

@@ -1,4 +1,29 @@
-"""treeserve's asyncio actor runtime: actors, refs, nodes, supervision."""
+"""treeserve's asyncio actor runtime: actors, refs, nodes, supervision.
+
+One ``Runtime`` per process owns one ``Node``: a ROUTER bound on an endpoint hosting
+actors, plus one DEALER per remote node it calls. ``rt.spawn(Cls, *args, name=...,
+process="local" | "child")`` returns an ``ActorRef``; ``ref.ask`` / ``ref.tell`` /
+``ref.ask_stream`` work the same for a local actor (no serialization) and a remote one.
+
+Design decisions worth knowing:
+
+* Deadlines travel as the caller's remaining budget (``Request.timeout_ms``); the callee
+  drops queued work that is already late and cancels a running handler at its deadline.
+  Request ids come from a per-node counter and are never reused, so a late reply is
+  discarded, never delivered to another call.
+* Cancelling a caller's task sends ``Cancel``; the callee cancels the handler (or the
+  stream generator) without creating a task per message (workers are long-lived and
+  resume via ``Task.uncancel``).
+* A child process hosts one actor on its own node, is launched with
+  ``python -m treeserve.runtime.child`` and a msgpack spec on stdin (no pickle), and
+  dies with its parent (``PR_SET_PDEATHSIG`` plus stdin as a death pipe).
+* Refs name a *slot* (endpoint + name), not an incarnation: a supervisor restarts a
+  failed child on the same endpoint, so existing refs reach the new incarnation. While
+  the child is down, calls fail fast with ``ActorDeadError`` (retryable); calls pending
+  when it died fail at once with ``ActorDeadError``.
+* The library never creates or sets an event loop; only ``treeserve.runtime.child``
+  (a program entry point) runs ``uvloop.run``.
+"""
 
 from treeserve.runtime.actor import Actor, HandlerKind, handler, stream_handler
 from treeserve.runtime.config import (
@@ -19,10 +44,11 @@ from treeserve.runtime.errors import (
     RuntimeClosedError,
     SupervisorGaveUp,
 )
-from treeserve.runtime.node import Node, NodeStats
+from treeserve.runtime.node import Node
 from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.restart import RestartIntensity
 from treeserve.runtime.runtime import Placement, Runtime
+from treeserve.runtime.stats import NodeStats
 from treeserve.runtime.supervisor import ChildSpec, ChildState, Supervisor
 
 __all__ = [

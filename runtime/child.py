@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         sys.stderr.write("usage: python -m treeserve.runtime.child PARENT_PID (spec on stdin)\n")
         return 2
+    # Ctrl-C reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = read_launch(sys.stdin.buffer)
     if spec.use_pdeathsig:
         set_parent_death_signal()

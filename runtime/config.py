@@ -45,7 +45,7 @@ class SupervisorConfig:
     within_s: float = 5.0
     heartbeat_interval_s: float = 0.5
     heartbeat_misses: int = 3
-    start_timeout_s: float = 20.0
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, RestartStrategy):

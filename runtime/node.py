@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from treeserve.runtime.actor import Actor, HandlerKind
 from treeserve.runtime.bodies import body_from_wire, body_to_wire
-from treeserve.runtime.calls import Envelope, PendingAsk, StreamCall
+from treeserve.runtime.calls import Envelope, StreamCall
 from treeserve.runtime.cell import ActorCell
 from treeserve.runtime.errors import (
     ActorError,
@@ -26,11 +24,12 @@ from treeserve.runtime.errors import (
     RemoteError,
     RuntimeClosedError,
     error_from_local,
-    error_from_wire,
     error_to_wire,
 )
-from treeserve.runtime.ref import ActorRef
+from treeserve.runtime.outbound import Outbound
 from treeserve.runtime.pump import SocketPump
+from treeserve.runtime.ref import ActorRef
+from treeserve.runtime.stats import NodeStats
 from treeserve.runtime.tasks import TaskOwner
 from treeserve.transport.codec import DecodeError, decode, encode
 from treeserve.transport.messages import (
@@ -38,13 +37,12 @@ from treeserve.transport.messages import (
     Cancel,
     Error,
     Heartbeat,
-    Message,
     Reply,
     Request,
     StreamEnd,
     StreamItem,
 )
-from treeserve.transport.sockets import bound_endpoint, make_dealer, make_router
+from treeserve.transport.sockets import bound_endpoint, make_router
 from treeserve.transport.wire import RETRYABLE_CODES, ErrorCode, WireLimits
 
 __all__ = ["Node", "NodeStats"]
@@ -52,39 +50,10 @@ __all__ = ["Node", "NodeStats"]
 _log = logging.getLogger(__name__)
 
 
-@dataclass
-class NodeStats:
-    """Counters of one node, for tests and monitoring (monotonic, never reset)."""
-
-    num_requests: int = 0
-    num_bad_messages: int = 0
-    num_dropped: int = 0
-    num_error_replies: int = 0
-    num_overloaded: int = 0
-    num_late_dropped: int = 0
-    num_late_replies: int = 0
-    num_cancels_received: int = 0
-    num_heartbeats: int = 0
-    num_send_failures: int = 0
-
-
-class _Peer:
-    """Our DEALER connection to another node; answers arrive on it."""
-
-    __slots__ = ("endpoint", "pump")
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.pump: SocketPump | None = None
-
-
-_Pending: TypeAlias = PendingAsk | StreamCall
-
-
 class Node:
-    """Hosts actors behind one ROUTER socket and makes calls to other nodes over one
-    DEALER per remote node, multiplexed by request id (ids come from a counter and are
-    never reused, so a late answer can only be discarded, never misdelivered).
+    """Hosts actors behind one ROUTER socket and routes this process's calls: to a
+    local actor directly, to other nodes through ``Outbound`` (one DEALER per node,
+    multiplexed by never-reused request ids).
 
     Calls to an actor on this node skip serialization: the body object itself is handed
     over (callers must not mutate it afterwards). A message the codec rejects gets an
@@ -111,18 +80,16 @@ class Node:
         self._ctx = ctx
         self._bind = bind
         self._limits = limits
-        self._max_in_flight = max_in_flight
         self._mailbox_size = mailbox_size
         self._stream_buffer = stream_buffer
         self._allow_public_bind = allow_public_bind
         self._router: SocketPump | None = None
         self._endpoint = ""
         self._cells: dict[str, ActorCell] = {}
-        self._peers: dict[str, _Peer] = {}
-        self._pending: dict[int, _Pending] = {}
         self._inbound: dict[tuple[bytes, int], tuple[ActorCell, Envelope]] = {}
-        self._down: dict[str, ActorError] = {}
-        self._ids = itertools.count(1)
+        self._outbound = Outbound(
+            ctx, self.stats, limits=limits, max_in_flight=max_in_flight, stream_buffer=stream_buffer
+        )
         self._is_closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -143,7 +110,7 @@ class Node:
     @property
     def num_in_flight(self) -> int:
         """Outgoing remote calls awaiting an answer."""
-        return len(self._pending)
+        return self._outbound.num_in_flight
 
     async def aclose(self, timeout_s: float) -> None:
         """Stop hosted actors, fail outgoing calls, close sockets. Idempotent."""
@@ -153,14 +120,8 @@ class Node:
         for cell in list(self._cells.values()):
             await cell.stop(timeout_s)
         self._cells.clear()
-        for call in list(self._pending.values()):
-            call.fail(RuntimeClosedError("runtime closed"))
-        self._pending.clear()
+        self._outbound.close()
         await self.tasks.aclose(timeout_s)
-        for peer in self._peers.values():
-            if peer.pump is not None:
-                peer.pump.close()
-        self._peers.clear()
         if self._router is not None:
             self._router.close()
 
@@ -201,37 +162,18 @@ class Node:
     # ------------------------------------------------------------------ liveness
 
     def mark_down(self, endpoint: str, exc: ActorError) -> None:
-        """Declare node ``endpoint`` dead: fail its pending calls with ``exc``, drop our
-        connection (so requests queued for the old process never reach a restarted
-        one), and fail new calls to it until ``mark_up``."""
-        self._down[endpoint] = exc
-        for msg_id, call in list(self._pending.items()):
-            if call.endpoint == endpoint:
-                del self._pending[msg_id]
-                call.fail(type(exc)(exc.message, code=exc.code, retryable=exc.retryable))
-        peer = self._peers.pop(endpoint, None)
-        if peer is not None and peer.pump is not None:
-            peer.pump.close()
+        """Declare node ``endpoint`` dead; see ``Outbound.mark_down``."""
+        self._outbound.mark_down(endpoint, exc)
 
     def mark_up(self, endpoint: str) -> None:
         """Allow calls to ``endpoint`` again (after a restart)."""
-        self._down.pop(endpoint, None)
+        self._outbound.mark_up(endpoint)
 
     def send_heartbeat(self, endpoint: str, beat: Heartbeat) -> None:
         """Send a heartbeat to node ``endpoint`` (no answer expected)."""
-        self._send_nowait(self._peer(endpoint), encode(beat, self._limits))
+        self._outbound.send_heartbeat(endpoint, beat)
 
     # ------------------------------------------------------------------ calling
-
-    def _check_can_call(self, endpoint: str) -> None:
-        if self._is_closed:
-            raise RuntimeClosedError("runtime closed")
-        down = self._down.get(endpoint)
-        if down is not None:
-            raise type(down)(down.message, code=down.code, retryable=down.retryable)
-        if len(self._pending) >= self._max_in_flight:
-            self.stats.num_overloaded += 1
-            raise OverloadedError(f"{len(self._pending)} calls in flight (max {self._max_in_flight})")
 
     def _local_cell(self, address: ActorAddress, method: str, kind: HandlerKind) -> ActorCell:
         if self._is_closed:
@@ -251,29 +193,7 @@ class Node:
             raise DeadlineExceeded(f"{address.name}.{method}: no time left to send")
         if address.endpoint == self._endpoint:
             return await self._ask_local(loop, address, method, body, timeout_s)
-        self._check_can_call(address.endpoint)
-        msg_id = next(self._ids)
-        timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
-        frames = encode(
-            Request(msg_id, address.name, method, body_to_wire(body), timeout_ms, False), self._limits
-        )
-        peer = self._peer(address.endpoint)
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._pending[msg_id] = PendingAsk(address.endpoint, fut)
-        timer = None if timeout_s is None else loop.call_later(
-            timeout_s, self._expire_call, msg_id, address, method)
-        try:
-            if not self._send_nowait(peer, frames):
-                raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
-            reply_body = await fut
-        except asyncio.CancelledError:
-            if self._pending.pop(msg_id, None) is not None:
-                self._send_cancel(address.endpoint, msg_id)
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(msg_id, None)
+        reply_body = await self._outbound.ask(address, method, body, timeout_s)
         return body_from_wire(reply_body, self)
 
     async def _ask_local(
@@ -309,17 +229,6 @@ class Node:
         if not fut.done():
             fut.set_exception(DeadlineExceeded(f"{address.name}.{method}: no reply before the deadline"))
 
-    def _expire_call(self, msg_id: int, address: ActorAddress, method: str) -> None:
-        call = self._pending.pop(msg_id, None)
-        if call is not None:
-            call.fail(DeadlineExceeded(f"{address.name}.{method}: no reply before the deadline"))
-            self._send_cancel(address.endpoint, msg_id)
-
-    def _send_cancel(self, endpoint: str, msg_id: int) -> None:
-        peer = self._peers.get(endpoint)
-        if peer is not None:
-            self._send_nowait(peer, encode(Cancel(msg_id), self._limits))
-
     async def tell(self, address: ActorAddress, method: str, body: Any) -> None:
         """Send without waiting for the result; see ``ActorRef.tell``."""
         if address.endpoint == self._endpoint:
@@ -331,21 +240,16 @@ class Node:
                 self.stats.num_overloaded += 1
                 raise OverloadedError(f"mailbox of {address.name!r} is full")
             return
-        self._check_can_call(address.endpoint)
-        # The protocol has no one-way request: the callee answers and, as the id was
-        # never registered, the answer is discarded on arrival (counted as late).
-        frames = encode(Request(next(self._ids), address.name, method, body_to_wire(body)), self._limits)
-        if not self._send_nowait(self._peer(address.endpoint), frames):
-            raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
+        self._outbound.tell(address, method, body)
 
     def open_stream(
         self, address: ActorAddress, method: str, body: Any, timeout_s: float | None
     ) -> tuple[StreamCall, Callable[[], None]]:
         """Start a streaming call; returns its buffer and a function that cancels it
         (a no-op once the stream ended). Used by ``ActorRef.ask_stream``."""
-        loop = asyncio.get_running_loop()
-        call = StreamCall(address.endpoint, self._stream_buffer)
         if address.endpoint == self._endpoint:
+            loop = asyncio.get_running_loop()
+            call = StreamCall(address.endpoint, self._stream_buffer)
             cell = self._local_cell(address, method, HandlerKind.STREAM)
             deadline = None if timeout_s is None else loop.time() + timeout_s
             env = Envelope(0, method, cell.handlers[method], body, deadline, None, None, call)
@@ -363,27 +267,7 @@ class Node:
                 cell.cancel(env, CallCancelled("cancelled by the caller"))
 
             return call, cancel_local
-        self._check_can_call(address.endpoint)
-        msg_id = next(self._ids)
-        timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
-        frames = encode(
-            Request(msg_id, address.name, method, body_to_wire(body), timeout_ms, True), self._limits
-        )
-        peer = self._peer(address.endpoint)
-        self._pending[msg_id] = call
-        if not self._send_nowait(peer, frames):
-            del self._pending[msg_id]
-            raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
-        remote_timer = None if timeout_s is None else loop.call_later(
-            timeout_s, self._expire_call, msg_id, address, method)
-
-        def cancel_remote() -> None:
-            if remote_timer is not None:
-                remote_timer.cancel()
-            if self._pending.pop(msg_id, None) is not None:
-                self._send_cancel(address.endpoint, msg_id)
-
-        return call, cancel_remote
+        return self._outbound.open_stream(address, method, body, timeout_s)
 
     # ------------------------------------------------------------------ answering
 
@@ -452,27 +336,7 @@ class Node:
             return False
         return True
 
-    def _send_nowait(self, peer: _Peer, frames: list[Any]) -> bool:
-        """Send without waiting; False (and counted) when zmq refuses at once (peer
-        queue full), so nothing ever piles up in memory here."""
-        if peer.pump is None or not peer.pump.send_nowait(frames):
-            self.stats.num_send_failures += 1
-            return False
-        return True
-
     # ------------------------------------------------------------------ receiving
-
-    def _peer(self, endpoint: str) -> _Peer:
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            peer = _Peer(endpoint)
-            peer.pump = SocketPump(
-                make_dealer(self._ctx, endpoint, limits=self._limits),
-                self._on_dealer_frames,
-                f"dealer {endpoint}",
-            )
-            self._peers[endpoint] = peer
-        return peer
 
     def _on_router_frames(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -534,53 +398,6 @@ class Node:
     def _refuse(self, peer: bytes, msg_id: int, code: ErrorCode, text: str) -> None:
         self.stats.num_error_replies += 1
         self._reply(peer, encode(Error(msg_id, code, text, code in RETRYABLE_CODES), self._limits))
-
-    def _on_dealer_frames(self, frames: list[zmq.Frame]) -> None:
-        try:
-            msg = decode(frames, self._limits)
-        except DecodeError as exc:
-            self.stats.num_bad_messages += 1
-            bad = None if exc.msg_id is None else self._pending.pop(exc.msg_id, None)
-            if bad is not None:
-                bad.fail(RemoteError(f"undecodable answer: {exc.message}", code=exc.code))
-            return
-        self._on_answer(msg)
-
-    def _on_answer(self, msg: Message) -> None:
-        if isinstance(msg, Request | Cancel | Heartbeat):
-            self.stats.num_dropped += 1
-            return
-        msg_id = msg.id
-        call = self._pending.get(msg_id) if msg_id is not None else None
-        if call is None or msg_id is None:
-            self.stats.num_late_replies += 1
-            return
-        if isinstance(call, PendingAsk):
-            del self._pending[msg_id]
-            call.deliver(msg)
-            return
-        if isinstance(msg, StreamItem):
-            if msg.seq != call.expected_seq:
-                del self._pending[msg_id]
-                call.fail(RemoteError(f"stream item seq {msg.seq}, expected {call.expected_seq}",
-                                      code=ErrorCode.BAD_MESSAGE))
-                self._send_cancel(call.endpoint, msg_id)
-                return
-            if call.is_full:
-                del self._pending[msg_id]
-                call.fail(OverloadedError(f"stream consumer is {call.capacity} items behind"))
-                self._send_cancel(call.endpoint, msg_id)
-                return
-            call.expected_seq += 1
-            call.push(msg)
-            return
-        del self._pending[msg_id]
-        if isinstance(msg, StreamEnd):
-            call.push(msg)
-        elif isinstance(msg, Error):
-            call.fail(error_from_wire(msg))
-        else:
-            call.fail(RemoteError("a unary reply answered a stream call", code=ErrorCode.BAD_MESSAGE))
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:

@@ -167,6 +167,17 @@ class ChildProcess:
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
 
+    def kill_now(self) -> None:
+        """SIGKILL without waiting (last resort when a bounded shutdown ran out of
+        time); the process is reaped by whoever polls it next, or by init."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+        if self._proc.poll() is None:
+            self._proc.kill()
+
     async def kill(self, grace_s: float = 0.0) -> None:
         """End the child: close the death pipe (a clean exit), then SIGKILL after
         ``grace_s`` seconds; returns once the process has been reaped."""

@@ -42,15 +42,18 @@ class SocketPump:
         name: str,
     ) -> None:
         self._owner = sock  # owns the libzmq socket; closed by ``close``
-        self._sock = zmq.Socket.shadow(sock.underlying)
+        self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._on_message = on_message
         self._name = name
         self._loop = asyncio.get_running_loop()
         self._is_drain_scheduled = False
         self._is_closed = False
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_drain()  # messages may already be waiting
+
+    def _is_readable(self) -> bool:
+        return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)
 
     def _schedule_drain(self) -> None:
         if not self._is_drain_scheduled and not self._is_closed:
@@ -64,7 +67,7 @@ class SocketPump:
         sock = self._sock
         on_message = self._on_message
         for _ in range(_MAX_BATCH):
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not self._is_readable():
                 return
             try:
                 frames = sock.recv_multipart(_NOBLOCK, copy=False)
@@ -91,7 +94,7 @@ class SocketPump:
         else:
             ok = True
         # Sending may have consumed the edge announcing new input.
-        if sock.getsockopt(_EVENTS) & _POLLIN:
+        if self._is_readable():
             self._schedule_drain()
         return ok
 
@@ -107,7 +110,7 @@ class SocketPump:
             except zmq.ZMQError:
                 return False
             finally:
-                if not self._is_closed and self._sock.getsockopt(_EVENTS) & _POLLIN:
+                if not self._is_closed and self._is_readable():
                     self._schedule_drain()
             return True
         return False

@@ -103,10 +103,8 @@ class Runtime:
         self._ctx = zmq.asyncio.Context()
         try:
             bind = cfg.bind
-            if bind is None or cfg.child_transport is ChildTransport.IPC:
-                self._tmpdir = tempfile.mkdtemp(prefix="ts-")
             if bind is None:
-                bind = f"ipc://{self._tmpdir}/node.sock"
+                bind = f"ipc://{self._ensure_tmpdir()}/node.sock"
             node = Node(
                 self._ctx,
                 bind,
@@ -145,6 +143,8 @@ class Runtime:
         except TimeoutError:
             _log.warning("runtime: aclose timed out after %.1fs; forcing", timeout_s)
         finally:
+            for sup in self._supervisors:
+                sup.kill_now()
             if self._ctx is not None:
                 self._ctx.destroy(linger=0)
             if self._tmpdir is not None:
@@ -238,8 +238,13 @@ class Runtime:
         """The endpoint a child hosting actor ``name`` binds (kept across restarts)."""
         if self.config.child_transport is ChildTransport.TCP:
             return "tcp://127.0.0.1:0"
-        assert self._tmpdir is not None
-        return f"ipc://{self._tmpdir}/{next(self._child_ids)}.sock"
+        return f"ipc://{self._ensure_tmpdir()}/{next(self._child_ids)}.sock"
+
+    def _ensure_tmpdir(self) -> str:
+        # Created on first need only: a SIGKILLed process cannot clean it up.
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="ts-")
+        return self._tmpdir
 
     def on_child_ready(self, node_name: str, endpoint: str) -> bool:
         """A child process reports it serves; routed to its supervisor."""

@@ -115,14 +115,14 @@ class Supervisor:
             raise ValueError(f"{self.name} already supervises a child named {spec.name!r}")
         child = _Child(spec, self._runtime.child_endpoint(spec.name))
         self._children[spec.name] = child
+        if self._monitor is None:  # judges RUNNING children only, so start it first
+            self._monitor = self._tasks.start(self._watch(), "monitor")
         try:
             await self._launch(child)
         except BaseException:
             del self._children[spec.name]
             await self._kill(child)
             raise
-        if self._monitor is None:
-            self._monitor = self._tasks.start(self._watch(), "monitor")
         return self._runtime.node.ref(ActorAddress(child.endpoint, spec.name))
 
     def state(self, name: str) -> ChildState:
@@ -177,6 +177,13 @@ class Supervisor:
             child.state = ChildState.DEAD
             self._runtime.node.mark_down(child.endpoint, ActorDeadError(f"actor {child.spec.name!r} stopped"))
 
+    def kill_now(self) -> None:
+        """SIGKILL every child without waiting; ``Runtime.aclose`` calls this last so
+        no child outlives a shutdown that hit its timeout."""
+        for child in self._children.values():
+            if child.process is not None:
+                child.process.kill_now()
+
     # ------------------------------------------------------------------ internals
 
     async def _launch(self, child: _Child) -> None:
@@ -229,9 +236,16 @@ class Supervisor:
 
     async def _watch(self) -> None:
         period = self.config.heartbeat_interval_s / 2
+        last_tick = self._clock()
         while True:
             await asyncio.sleep(period)
             now = self._clock()
+            stalled = now - last_tick > 2 * period
+            last_tick = now
+            if stalled:
+                # Our own loop was blocked: heartbeats may sit unread in the socket, so
+                # judge nobody until they have been processed.
+                continue
             for child in list(self._children.values()):
                 reason = self._failure(child, now)
                 if reason is not None:

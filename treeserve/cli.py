@@ -14,6 +14,7 @@ prints one ``treeserve: error: ...`` line and exits with status 2, without a tra
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -32,8 +33,10 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported as one line, exit status 2."""
 
 
-def _progress(message: str) -> None:
-    print(f"[treeserve] {message}", file=sys.stderr, flush=True)
+def _progress(report: Any) -> None:
+    """Print a progress line (a ``treeserve.models.Progress`` or a plain string) to stderr."""
+    text = report if isinstance(report, str) else f"{report.stage}: {report.message}"
+    print(f"[treeserve] {text}", file=sys.stderr, flush=True)
 
 
 def _parse_expansion(text: str) -> tuple[int, ...]:
@@ -78,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    gen.add_argument(
+        "--in-process", action="store_true",
+        help="run the model in this process instead of through the actor system (debugging, benchmarks)",
+    )
+
+    serve = sub.add_parser("serve", help="run the server until interrupted")
+    add_model_flags(serve)
+    serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="public gateway endpoint")
+    serve.add_argument(
+        "--speculator", action="append", default=None, metavar="SPEC",
+        help="speculator kind, repeatable: ngram | self:LAYERS | model:PATH (default: ngram and self:4); "
+        "'none' disables speculation",
+    )
+    serve.add_argument("--expansion", default=DEFAULT_EXPANSION, help="expansion config of model speculators")
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel verifier ranks")
+    serve.add_argument("--scheduler", choices=("fcfs", "ssjf", "hrrn", "sjf-oracle"), default="fcfs")
+    serve.add_argument("--dtype", choices=DTYPES, default="float32")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    serve.add_argument("--num-rows", type=int, default=16, help="concurrent requests (KV-cache rows)")
+    serve.add_argument("--row-capacity", type=int, default=2048, help="tokens per KV-cache row")
+    serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
     return parser
 
 
@@ -98,7 +122,151 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ...]) -> tuple[dict[str, Any], ...]:
+    if specs is None:
+        specs = ["ngram", "self:4"]
+    out: list[dict[str, Any]] = []
+    for spec in specs:
+        kind, _, arg = spec.partition(":")
+        if kind == "none":
+            return ()
+        if kind == "ngram":
+            out.append({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion)})
+        elif kind == "self":
+            try:
+                layers = int(arg or "4")
+            except ValueError:
+                raise UserError(f"--speculator self:LAYERS needs an integer, got {spec!r}") from None
+            out.append({"kind": "self", "layers": layers, "expansion": list(expansion)})
+        elif kind == "model" and arg:
+            out.append({"kind": "model", "model": arg, "expansion": list(expansion)})
+        else:
+            raise UserError(f"unknown --speculator {spec!r}; use ngram, self:LAYERS, model:PATH or none")
+    return tuple(out)
+
+
+def _server_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    from treeserve.server import ServerConfig
+
+    try:
+        return ServerConfig(**overrides)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    import uvloop
+
+    from treeserve.models import DEFAULT_MODEL
+    from treeserve.server import Server
+
+    expansion = _parse_expansion(args.expansion)
+    config = _server_config(
+        args,
+        model=args.model or DEFAULT_MODEL,
+        cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+        bind=args.bind,
+        dtype=args.dtype,
+        device=args.device,
+        tp=args.tp,
+        scheduler=args.scheduler,
+        num_rows=args.num_rows,
+        row_capacity=args.row_capacity,
+        speculators=_speculators_from_flags(args.speculator, expansion),
+        allow_public_bind=args.allow_public_bind,
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with Server(config, progress=_progress) as server:
+            _progress(f"ready: clients connect to {server.endpoint} (Ctrl-C stops)")
+            await stop.wait()
+            _progress("stopping")
+
+    uvloop.run(serve())
+    return 0
+
+
+async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, ...], dtype: str) -> dict[str, Any]:
+    import tempfile
+
+    from treeserve.client import Client
+    from treeserve.models import DEFAULT_MODEL
+    from treeserve.server import Server
+
+    speculators: tuple[dict[str, Any], ...] = ()
+    if args.speculate != "none":
+        speculators = ({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion)},)
+        if args.draft_layers:
+            speculators += ({"kind": "self", "layers": args.draft_layers, "expansion": list(expansion)},)
+    with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
+        config = _server_config(
+            args,
+            model=args.model or DEFAULT_MODEL,
+            cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+            bind=f"ipc://{tmp}/gateway.sock",
+            dtype=dtype,
+            num_rows=1,
+            row_capacity=min(8192, max(512, args.max_tokens + 2048)),
+            speculators=speculators,
+        )
+        async with Server(config, progress=_progress) as server:
+            async with Client(server.endpoint) as client:
+                prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+                body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+                if args.top_k is not None:
+                    body["top_k"] = args.top_k
+                if args.seed is not None:
+                    body["seed"] = args.seed
+                started = time.perf_counter()
+                completion = await client.generate(prompt, speculate=args.speculate, **body)
+                elapsed = time.perf_counter() - started
+    return {
+        "text": completion.text,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "num_prompt_tokens": completion.num_prompt_tokens,
+        "num_steps": completion.num_steps,
+        "mean_accepted_per_step": completion.mean_accepted_per_step,
+        "tokens_per_s": len(completion.token_ids) / elapsed if elapsed > 0 else 0.0,
+        "ttft_s": completion.ttft_s,
+    }
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.in_process:
+        import uvloop
+
+        if not args.prompt:
+            raise UserError("the prompt is empty")
+        expansion = _parse_expansion(args.expansion)
+        try:
+            out = uvloop.run(_generate_via_server(args, expansion, args.dtype))
+        except Exception as exc:
+            from treeserve.client import ServerError
+
+            if isinstance(exc, ServerError):
+                raise UserError(f"{exc}") from None
+            raise
+        out.update(speculate=args.speculate, dtype=args.dtype)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(out["text"])
+            _progress(
+                f"{len(out['token_ids'])} tokens, {out['tokens_per_s']:.1f} tok/s, {out['num_steps']} steps, "
+                f"{out['mean_accepted_per_step']:.2f} tokens/step"
+            )
+        return 0
+    return _generate_in_process(args)
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import DEFAULT_MODEL, load_model
@@ -154,7 +322,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason": result.finish_reason.value,
             "num_prompt_tokens": len(prompt_ids),
             "num_steps": result.num_steps,
-            "mean_accepted_per_step": result.mean_accepted_per_step,
+            # Tokens per verify step: accepted drafts plus the LLM's own token (SpecInfer's convention).
+            "mean_accepted_per_step": result.mean_accepted_per_step + 1.0 if result.accepted_per_step else 1.0,
             "tokens_per_s": len(result.token_ids) / elapsed if elapsed > 0 else 0.0,
             "speculate": args.speculate,
             "dtype": args.dtype,
@@ -169,7 +338,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"pull": cmd_pull, "generate": cmd_generate}
+COMMANDS = {"pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -93,6 +93,8 @@ def test_chain_mode_and_no_speculators_are_lossless(llm: Transformer) -> None:
     reference = generate_incremental(llm, PROMPT, params).token_ids
     chain = generate_speculative(llm, speculator_sets(llm)["three_merged"], PROMPT, params, SpeculationMode.CHAIN)
     assert chain.token_ids == reference
+    small = generate_speculative(llm, speculator_sets(llm)["three_merged"], PROMPT, params, max_tree_nodes=4)
+    assert small.token_ids == reference
     bare = generate_speculative(llm, [], PROMPT, params)
     assert bare.token_ids == reference and bare.num_steps == 20 and bare.mean_accepted_per_step == 0.0
 

@@ -106,7 +106,13 @@ class TableSpeculator:
     def generated(self) -> list[int]:
         return self.history[len(PROMPT):]
 
-    def propose(self, params: SamplingParams, generator: torch.Generator | None, max_depth: int | None = None) -> TokenTree:
+    def propose(
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,  # the trees here are far below any limit
+    ) -> TokenTree:
         base = self.generated()
 
         def next_logits(parents: list[int], tokens: list[int], frontier: list[int]) -> Tensor:

@@ -219,8 +219,40 @@ def test_cache_errors_and_row_bookkeeping(tiny_model_factory: Callable[..., Tran
             cache.reset_row(1)
 
 
+def test_forward_input_validation(tiny_model_factory: Callable[..., Transformer]) -> None:
+    model = tiny_model_factory(seed=10)
+    cache = model.new_cache(1, capacity=8)
+    with pytest.raises(ValueError, match="at least one"):
+        model(torch.zeros(1, 0, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="bool"):
+        model(torch.tensor([[1, 2]]), cache, tree_mask=torch.ones(1, 2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.tensor([[1, 2]]), cache, positions=torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="does not fit"):
+        model(torch.tensor([[1], [2]]), cache)
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig(vocab_size=10, dim=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, ffn_dim=8)
     with pytest.raises(ValueError, match="vocab_size"):
         ModelConfig(vocab_size=0, dim=8, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4, ffn_dim=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_pass_on_cuda_matches_cpu(tiny_model_factory: Callable[..., Transformer]) -> None:
+    """GPU twin: the same tree forward on CUDA gives the CPU logits (same inputs as above)."""
+    model = tiny_model_factory(seed=1)
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 101, (1, 5), generator=gen)
+    tokens = torch.randint(0, 101, (1, len(MIXED)), generator=gen)
+    mask, positions = tree_inputs([MIXED], [5])
+    outs = []
+    for device in ("cpu", "cuda"):
+        m = model.to(device)
+        cache = m.new_cache(1, capacity=32)
+        m(prefix.to(device), cache)
+        cache.commit(0, range(5))
+        outs.append(m(tokens.to(device), cache, tree_mask=mask.to(device), positions=positions.to(device)).cpu())
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-3  # TF32/fused kernels differ in rounding

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops.drafting import ModelSpeculator, expand_token_tree, validate_expansion
+from treeserve.ops.drafting import ModelSpeculator, expand_token_tree, validate_expansion, worst_case_num_nodes
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
 
@@ -140,6 +140,11 @@ def test_model_speculator_respects_max_depth_and_cache_room() -> None:
     assert speculator.propose(SamplingParams(), None, max_depth=0).num_nodes == 1
     # Full depth would need 2 + 4 + 8 = 14 draft slots; it drafts as deep as the room allows.
     tree = speculator.propose(SamplingParams(), None)
-    assert tree.num_nodes >= 3 and int(tree.depths().max()) < 4
+    assert int(tree.depths().max()) == 3  # feeding depth <= 2 takes 6 slots; depth 3 would take 14
+    # max_nodes is met through the worst case (no equal draws), decided before drafting.
+    params = SamplingParams(temperature=1.0)
+    assert int(speculator.propose(params, torch.Generator(), max_nodes=7).depths().max()) == 2
+    assert int(speculator.propose(params, torch.Generator(), max_nodes=6).depths().max()) == 1
+    assert worst_case_num_nodes((2, 2, 2, 2)) == [1, 3, 7, 15, 31]
     with pytest.raises(RuntimeError, match="prefill"):
         ModelSpeculator(ssm, (1,)).propose(SamplingParams(), None)

@@ -45,6 +45,8 @@ def test_proposes_a_trie_of_continuations_rooted_at_the_last_token() -> None:
     # "1 2" was followed by "7 1 2", "3 5 1" and "3 4 1" (most recent first); "3" is shared.
     assert paths == {(2,), (2, 7), (2, 7, 1), (2, 7, 1, 2), (2, 3), (2, 3, 5), (2, 3, 5, 1), (2, 3, 4), (2, 3, 4, 1)}
     assert int(spec.propose(SamplingParams(), None, max_depth=1).depths().max()) == 1
+    capped = spec.propose(SamplingParams(), None, max_nodes=5)
+    assert capped.num_nodes == 5 and capped.tokens.tolist() == [2, 7, 1, 2, 3]
     # Stochastic: one point-mass q per proposal.
     tree = spec.propose(SamplingParams(temperature=1.0), None)
     assert tree.draft_probs is not None

@@ -136,3 +136,33 @@ def test_stochastic_verification_input_errors() -> None:
     assert verify_stochastic(TokenTree.chain(0, [2]), torch.eye(V)[[2, 4]], SamplingParams(), None).accepted == [0, 1]
     only_root = verify_stochastic(TokenTree.from_parents([-1], [0]), torch.eye(V)[[5]] * 50, params, torch.Generator())
     assert only_root.accepted == [0] and only_root.bonus_token == 5
+
+
+def test_cutting_a_drawn_tree_by_size_is_biased_but_worst_case_limits_are_not() -> None:
+    """Why speculators get ``max_nodes`` before drafting: keeping the second of two i.i.d. draws
+    only when it adds no node (it repeats the first) is a value-dependent cut and breaks MSS."""
+    p_logits = torch.log(torch.tensor([0.1, 0.45, 0.45]))
+    p = torch.softmax(p_logits, -1).double()
+    q = torch.tensor([0.5, 0.4, 0.1])
+    params = SamplingParams(temperature=1.0)
+    n = 12000
+
+    def counts(cut: bool) -> Tensor:
+        gen = torch.Generator().manual_seed(9)
+        result = torch.zeros(3)
+        for _ in range(n):
+            builder = TokenTreeBuilder(0, with_probs=True)
+            row = builder.add_probs(q)
+            first, second = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
+            builder.add_proposal(0, first, q_row=row)
+            if not cut or second == first:
+                builder.add_proposal(0, second, q_row=row)
+            tree = builder.build()
+            result[verify_stochastic(tree, p_logits.expand(tree.num_nodes, 3), params, gen).new_tokens(tree)[0]] += 1
+        return result
+
+    def chi2(c: Tensor) -> float:
+        return float(((c.double() - p * n) ** 2 / (p * n)).sum())
+
+    assert chi2(counts(cut=False)) < 18.4  # 99.99th percentile, 2 dof
+    assert chi2(counts(cut=True)) > 18.4

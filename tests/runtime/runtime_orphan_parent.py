@@ -16,7 +16,7 @@ async def main() -> None:
         a = await rt.spawn(WorkerActor, name="with-pdeathsig", process="child")
         b = await rt.spawn(WorkerActor, name="pipe-only", process="child", use_pdeathsig=False)
         pids = {"pdeathsig": await a.ask("pid"), "pipe_only": await b.ask("pid")}
-        sys.stdout.write(json.dumps(pids) + "\n")
+        sys.stdout.write(json.dumps({"pids": pids, "endpoint": rt.endpoint}) + "\n")
         sys.stdout.flush()
         await asyncio.sleep(3600)
 

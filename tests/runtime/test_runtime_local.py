@@ -26,6 +26,7 @@ from treeserve.runtime import (
     handler,
     stream_handler,
 )
+from treeserve.runtime.testing import WorkerActor
 from treeserve.transport.wire import ErrorCode
 
 pytestmark = pytest.mark.timeout(30)
@@ -235,14 +236,16 @@ def test_restart_intensity_policy_with_fake_clock() -> None:
 def test_runtime_inside_a_uvloop_loop_owned_by_the_test() -> None:
     loop = uvloop.new_event_loop()
     try:
-        async def main() -> tuple[int, str]:
+        async def main() -> tuple[int, str, str]:
             async with Runtime() as rt:
                 ref = await rt.spawn(Counter, name="c")
+                child = await rt.spawn(WorkerActor, name="w", process="child")
                 await ref.ask("add", 2)
-                return await ref.ask("get"), type(asyncio.get_running_loop()).__module__
+                echoed = await child.ask("echo", "from child")
+                return await ref.ask("get"), echoed, type(asyncio.get_running_loop()).__module__
 
-        value, loop_module = loop.run_until_complete(main())
-        assert value == 2 and loop_module.startswith("uvloop")
+        value, echoed, loop_module = loop.run_until_complete(main())
+        assert value == 2 and echoed == "from child" and loop_module.startswith("uvloop")
     finally:
         loop.close()
 

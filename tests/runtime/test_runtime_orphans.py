@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,12 @@ def is_gone(pid: int) -> bool:
 def test_no_orphans_after_parent_is_sigkilled() -> None:
     parent = subprocess.Popen([sys.executable, str(HELPER)], stdout=subprocess.PIPE, text=True)
     pids: dict[str, int] = {}
+    tmpdir: Path | None = None
     try:
         assert parent.stdout is not None
-        line = parent.stdout.readline()
-        pids = json.loads(line)
+        report = json.loads(parent.stdout.readline())
+        pids = report["pids"]
+        tmpdir = Path(report["endpoint"].removeprefix("ipc://")).parent
         assert set(pids) == {"pdeathsig", "pipe_only"}
         assert not any(is_gone(pid) for pid in pids.values())
         os.kill(parent.pid, signal.SIGKILL)
@@ -51,3 +54,5 @@ def test_no_orphans_after_parent_is_sigkilled() -> None:
         for pid in pids.values():  # never leave strays behind, even when failing
             if not is_gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        if tmpdir is not None and tmpdir.name.startswith("ts-"):
+            shutil.rmtree(tmpdir, ignore_errors=True)  # a SIGKILLed runtime cannot

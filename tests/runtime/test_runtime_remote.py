@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
 from treeserve.runtime import (
+    ActorDeadError,
     ActorRef,
     ChildTransport,
     DeadlineExceeded,
@@ -20,9 +24,27 @@ from treeserve.runtime import (
     RuntimeConfig,
 )
 from treeserve.runtime.testing import EchoActor, ProbeActor, TinyMailboxWorker, WorkerActor
+from treeserve.transport.codec import decode, encode
+from treeserve.transport.messages import Error, Reply, Request
 from treeserve.transport.wire import ErrorCode
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class NotImportableByChildren(WorkerActor):
+    """Claims to live in a module that does not exist, as a typo would."""
+
+
+NotImportableByChildren.__module__ = "treeserve_no_such_module"
+
+
+async def test_child_that_cannot_start_is_a_typed_error() -> None:
+    async with Runtime() as rt:
+        with pytest.raises(ActorDeadError, match="while starting"):
+            await rt.spawn(NotImportableByChildren, name="x", process="child")
+        # The name is free again and the runtime still works.
+        worker = await rt.spawn(WorkerActor, name="x", process="child")
+        assert await worker.ask("echo", 1) == 1
 
 
 async def wait_for_event(probe: ActorRef, event: list[Any], timeout_s: float = 5.0) -> list[Any]:
@@ -86,13 +108,51 @@ async def test_deadline_travels_with_the_request() -> None:
         assert await worker.ask("get_ran") == ["first"]
 
 
-async def test_late_reply_is_discarded_never_cross_delivered() -> None:
+async def test_callee_enforces_the_deadline_without_any_cancel() -> None:
+    """A raw client that never sends Cancel: only the callee's own deadline acts."""
     async with Runtime() as rt:
         probe = await rt.spawn(ProbeActor, name="probe")
         worker = await rt.spawn(WorkerActor, probe, name="w", process="child")
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(worker.endpoint)
+        try:
+            async def answer() -> Any:
+                return decode(await asyncio.wait_for(raw.recv_multipart(), 5))
+
+            await raw.send_multipart(encode(Request(1, "w", "sleep", {"s": 5, "tag": "long"}, 300)))
+            err = await answer()
+            assert isinstance(err, Error) and err.id == 1 and err.code is ErrorCode.DEADLINE_EXCEEDED
+            assert ["cancelled", "long"] in await wait_for_event(probe, ["cancelled", "long"])
+            await raw.send_multipart(encode(Request(2, "w", "sleep", {"s": 0.5, "tag": "first"}, 5000)))
+            await raw.send_multipart(encode(Request(3, "w", "sleep", {"s": 0.01, "tag": "late"}, 200)))
+            answers = {m.id: m for m in [await answer(), await answer()]}
+            assert isinstance(answers[2], Reply) and answers[2].body == "first"
+            assert isinstance(answers[3], Error) and answers[3].code is ErrorCode.DEADLINE_EXCEEDED
+            assert await worker.ask("get_ran") == ["first"]
+            await asyncio.sleep(0.1)
+            # "late" was dropped while queued: its handler never even started.
+            assert ["cancelled", "late"] not in await probe.ask("get_events")
+        finally:
+            raw.close(linger=0)
+            ctx.term()
+
+
+@pytest.mark.parametrize("is_id_reused", [False, True], ids=["real", "wrong-impl-reuses-ids"])
+async def test_late_reply_is_discarded_never_cross_delivered(is_id_reused: bool) -> None:
+    async with Runtime() as rt:
+        probe = await rt.spawn(ProbeActor, name="probe")
+        worker = await rt.spawn(WorkerActor, probe, name="w", process="child")
+        if is_id_reused:  # a deliberately wrong id allocator: this test must notice it
+            rt.node._outbound._ids = itertools.repeat(5)
         with pytest.raises(DeadlineExceeded):
             await worker.ask("stubborn", {"s": 0.4, "tag": "A"}, timeout=0.1)
         # B queues behind A's late reply on the same connection; it must get its own.
+        if is_id_reused:
+            # The check below notices: B is refused as a duplicate id, or gets A's reply.
+            with pytest.raises((RemoteError, AssertionError)):
+                assert await worker.ask("echo", "B", timeout=5) == "B"
+            return
         assert await worker.ask("echo", "B", timeout=5) == "B"
         assert rt.node.stats.num_late_replies >= 1
         values = await asyncio.gather(*(worker.ask("echo", i) for i in range(100)))
@@ -113,7 +173,8 @@ async def test_cancelling_the_caller_cancels_the_remote_handler() -> None:
 
 
 async def test_leaving_a_remote_stream_cancels_the_generator() -> None:
-    async with Runtime() as rt:
+    # A buffer this large means only an explicit Cancel can stop the generator in time.
+    async with Runtime(RuntimeConfig(stream_buffer=1_000_000)) as rt:
         probe = await rt.spawn(ProbeActor, name="probe")
         worker = await rt.spawn(WorkerActor, probe, name="w", process="child")
         body = {"n": 100_000, "delay": 0.005, "tag": "s1"}
@@ -148,3 +209,21 @@ async def test_remote_overload_is_a_typed_error() -> None:
         assert all(e.code is ErrorCode.OVERLOADED and e.retryable for e in overloaded)
         assert len(done) + len(overloaded) == 8
         assert await worker.ask("echo", "still fine") == "still fine"
+
+
+async def test_lost_connection_fails_waiting_calls_of_an_unsupervised_peer() -> None:
+    async with Runtime() as rt:
+        ctx = zmq.asyncio.Context()
+        server = ctx.socket(zmq.ROUTER)  # accepts requests, never answers
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            call = asyncio.ensure_future(rt.ref(f"tcp://127.0.0.1:{port}", "x").ask("m", timeout=60))
+            request = decode((await asyncio.wait_for(server.recv_multipart(), 5))[1:])
+            assert isinstance(request, Request) and request.target == "x"
+            server.close(linger=0)  # the peer goes away: its answer can never come
+            with pytest.raises(ActorDeadError, match="connection"):
+                await asyncio.wait_for(call, 5)
+            assert rt.node.stats.num_disconnects == 1
+        finally:
+            server.close(linger=0)
+            ctx.term()

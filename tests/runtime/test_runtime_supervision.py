@@ -13,8 +13,10 @@ import pytest
 from treeserve.runtime import (
     ActorDeadError,
     ChildState,
+    ChildTransport,
     RestartStrategy,
     Runtime,
+    RuntimeConfig,
     SupervisorConfig,
     SupervisorGaveUp,
 )
@@ -29,11 +31,12 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
-FAST = SupervisorConfig(heartbeat_interval_s=0.2, heartbeat_misses=3, max_restarts=5, within_s=30)
+FAST = SupervisorConfig(heartbeat_interval_s=0.25, heartbeat_misses=4, max_restarts=5, within_s=30)
 
 
-async def test_sigkilled_child_is_restarted_and_pending_callers_fail_fast() -> None:
-    async with Runtime() as rt:
+@pytest.mark.parametrize("transport", [ChildTransport.IPC, ChildTransport.TCP])
+async def test_sigkilled_child_is_restarted_and_pending_callers_fail_fast(transport: ChildTransport) -> None:
+    async with Runtime(RuntimeConfig(child_transport=transport)) as rt:
         sup = rt.supervisor(FAST)
         worker = await rt.spawn(WorkerActor, name="w", process="child", supervisor=sup)
         old_pid = await worker.ask("pid")
@@ -48,6 +51,7 @@ async def test_sigkilled_child_is_restarted_and_pending_callers_fail_fast() -> N
             with pytest.raises(ActorDeadError):
                 await asyncio.wait_for(call, 5)
         assert time.monotonic() - started < 3  # promptly, not at the 60 s deadline
+        await until(lambda: sup.num_restarts == 1)
         await sup.wait_running("w", 10)
         # The same ref reaches the new incarnation.
         new_pid = await worker.ask("pid")
@@ -79,7 +83,7 @@ async def test_hung_child_is_detected_by_heartbeat(how: str) -> None:
 async def test_restart_intensity_limit_gives_up() -> None:
     escalated: list[SupervisorGaveUp] = []
     async with Runtime() as rt:
-        config = SupervisorConfig(heartbeat_interval_s=0.2, max_restarts=1, within_s=60)
+        config = SupervisorConfig(heartbeat_interval_s=0.25, heartbeat_misses=4, max_restarts=1, within_s=60)
         sup = rt.supervisor(config, on_give_up=escalated.append)
         worker = await rt.spawn(WorkerActor, name="w", process="child", supervisor=sup)
         os.kill(await worker.ask("pid"), signal.SIGKILL)
@@ -98,7 +102,9 @@ async def test_restart_intensity_limit_gives_up() -> None:
 
 async def test_one_for_all_restarts_the_siblings() -> None:
     async with Runtime() as rt:
-        config = SupervisorConfig(strategy=RestartStrategy.ONE_FOR_ALL, heartbeat_interval_s=0.2)
+        config = SupervisorConfig(
+            strategy=RestartStrategy.ONE_FOR_ALL, heartbeat_interval_s=0.25, heartbeat_misses=4
+        )
         sup = rt.supervisor(config)
         a = await rt.spawn(WorkerActor, name="a", process="child", supervisor=sup)
         b = await rt.spawn(WorkerActor, name="b", process="child", supervisor=sup)

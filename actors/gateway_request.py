@@ -1,0 +1,225 @@
+"""Strict validation of the gateway's public ``generate`` request body.
+
+The body is untrusted client input: every field is named, typed and range-checked, and
+unknown fields are refused, so a typo never silently changes what gets generated. The
+result is a small frozen value; tokenization happens later (it needs the tokenizer).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "GENERATE_FIELDS",
+    "ChatMessage",
+    "GenerateRequest",
+    "InvalidRequest",
+    "Speculate",
+    "parse_generate",
+]
+
+DEFAULT_MAX_TOKENS = 128
+_MAX_SEED = 2**63 - 1
+_MAX_MESSAGES = 1024
+_MESSAGE_KEYS = frozenset({"role", "content"})
+
+GENERATE_FIELDS: frozenset[str] = frozenset(
+    {
+        "prompt",
+        "messages",
+        "prompt_ids",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "speculate",
+    }
+)
+"""Every field a ``generate`` body may carry; any other key is refused."""
+
+
+class InvalidRequest(ValueError):
+    """A client request was rejected; the message says which field and why, and is sent
+    back verbatim as an ``invalid_request`` error."""
+
+
+class Speculate(enum.StrEnum):
+    """How the scheduler drafts: a token tree (SpecInfer), a single chain, or no drafts."""
+
+    TREE = "tree"
+    CHAIN = "chain"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn: a non-empty ``role`` and its ``content`` text."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A validated ``generate`` body. Exactly one of ``prompt``, ``messages`` and
+    ``prompt_ids`` is set. ``temperature == 0`` is greedy; ``top_k`` None is no limit;
+    ``stop_token_ids`` are extra stops added to the tokenizer's own."""
+
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    prompt_ids: tuple[int, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop_token_ids: tuple[int, ...]
+    speculate: Speculate
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key, default)
+    if type(value) not in (int, float):
+        raise InvalidRequest(f"'{key}' must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidRequest(f"'{key}' must be finite, got {value!r}")
+    return number
+
+
+def _token_ids(value: object, key: str, vocab_size: int, max_len: int) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{key}' must be a list of token ids, got {type(value).__name__}")
+    if len(value) > max_len:
+        raise InvalidRequest(f"'{key}' has {len(value)} ids; at most {max_len} are allowed")
+    for index, token in enumerate(value):
+        if not _is_int(token):
+            raise InvalidRequest(f"'{key}'[{index}] must be an int, got {type(token).__name__}")
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                f"'{key}'[{index}] = {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    return tuple(value)
+
+
+def _messages(value: object, max_prompt_chars: int) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'messages' must be a non-empty list of {role, content} maps")
+    if len(value) > _MAX_MESSAGES:
+        raise InvalidRequest(f"'messages' has {len(value)} entries; at most {_MAX_MESSAGES}")
+    out: list[ChatMessage] = []
+    num_chars = 0
+    for index, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise InvalidRequest(f"'messages'[{index}] must be a map with 'role' and 'content'")
+        unknown = sorted(set(entry) - _MESSAGE_KEYS)
+        if unknown:
+            raise InvalidRequest(f"'messages'[{index}] has unknown field(s) {unknown}")
+        role, content = entry.get("role"), entry.get("content")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"'messages'[{index}].role must be a non-empty string")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"'messages'[{index}].content must be a string")
+        num_chars += len(role) + len(content)
+        out.append(ChatMessage(role, content))
+    if num_chars > max_prompt_chars:
+        raise InvalidRequest(
+            f"'messages' hold {num_chars} characters; at most {max_prompt_chars} are allowed"
+        )
+    if not any(m.content for m in out):
+        raise InvalidRequest("'messages' are all empty")
+    return tuple(out)
+
+
+def parse_generate(
+    body: object, *, vocab_size: int, context_length: int, max_prompt_chars: int
+) -> GenerateRequest:
+    """Validate an untrusted ``generate`` body; raises ``InvalidRequest`` naming the first
+    bad field. Checks: a map; no unknown field; exactly one of ``prompt`` (non-empty str
+    of at most ``max_prompt_chars`` characters) / ``messages`` / ``prompt_ids`` (ids in
+    ``[0, vocab_size)``, fewer than ``context_length``); ``max_tokens`` an int in
+    ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``; ``top_p`` in ``(0, 1]``;
+    ``top_k`` None or an int ``>= 1``; ``seed`` None or an int in ``[0, 2**63)``;
+    ``stop_token_ids`` ids in the vocabulary; ``speculate`` one of tree/chain/none."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the generate body must be a map, got {type(body).__name__}")
+    unknown = sorted(str(k) for k in body if k not in GENERATE_FIELDS)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown field(s) {unknown}; allowed: {sorted(GENERATE_FIELDS)}"
+        )
+    given = [k for k in ("prompt", "messages", "prompt_ids") if k in body]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "exactly one of 'prompt', 'messages' or 'prompt_ids' is required"
+            + (f" (got {given})" if given else "")
+        )
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"'prompt' must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequest("'prompt' is empty")
+        if len(prompt) > max_prompt_chars:
+            raise InvalidRequest(
+                f"'prompt' has {len(prompt)} characters; at most {max_prompt_chars} are allowed"
+            )
+    elif "messages" in body:
+        messages = _messages(body["messages"], max_prompt_chars)
+    else:
+        prompt_ids = _token_ids(body["prompt_ids"], "prompt_ids", vocab_size, context_length - 1)
+        if not prompt_ids:
+            raise InvalidRequest("'prompt_ids' is empty")
+
+    max_tokens = body.get("max_tokens", min(DEFAULT_MAX_TOKENS, context_length - 1))
+    if not _is_int(max_tokens):
+        raise InvalidRequest(f"'max_tokens' must be an int, got {type(max_tokens).__name__}")
+    if not 1 <= max_tokens < context_length:
+        raise InvalidRequest(
+            f"'max_tokens' must be in [1, {context_length - 1}] (the context length is "
+            f"{context_length}), got {max_tokens}"
+        )
+    temperature = _number(body, "temperature", 0.0)
+    if temperature < 0:
+        raise InvalidRequest(f"'temperature' must be >= 0 (0 = greedy), got {temperature}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise InvalidRequest(f"'top_k' must be null (no limit) or an int >= 1, got {top_k!r}")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= _MAX_SEED):
+        raise InvalidRequest(f"'seed' must be null or an int in [0, 2**63), got {seed!r}")
+    stop_token_ids = _token_ids(body.get("stop_token_ids", []), "stop_token_ids", vocab_size, 64)
+    speculate_value = body.get("speculate", Speculate.TREE.value)
+    if not isinstance(speculate_value, str) or speculate_value not in {s.value for s in Speculate}:
+        raise InvalidRequest(
+            f"'speculate' must be one of {[s.value for s in Speculate]}, got {speculate_value!r}"
+        )
+    return GenerateRequest(
+        prompt=prompt,
+        messages=messages,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        speculate=Speculate(speculate_value),
+    )

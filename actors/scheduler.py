@@ -1,0 +1,449 @@
+"""The scheduler actor: continuous batching of speculative verify steps under a pluggable policy.
+
+A request joins the running batch at any step and leaves when it finishes. Each step the
+scheduler:
+
+1. admits queued requests in the policy's order (``fcfs``, ``ssjf`` with aging, ...) into free
+   KV-cache rows of the verifier shards, prefilling their prompts;
+2. asks every speculator actor, concurrently, for one token tree per running request;
+3. merges the trees per request (``merge_trees``) and trims them to the tokens still allowed;
+4. sends ONE batched verify step to every verifier shard (all ranks get the same call, in the
+   same order, as tensor parallelism requires) and takes rank 0's reply;
+5. applies the accepted tokens and streams them to the request's consumer.
+
+KV budget: every request owns one cache row of ``row_capacity`` slots for its whole life, and
+is admitted only when ``prompt + max_tokens + max_tree_nodes`` fits a row. A request that can
+never fit is rejected with ``invalid_request`` at submission; others wait for a free row.
+Memory therefore never runs out mid-generation, so nothing is preempted.
+
+Faults: a speculator that fails is skipped for that step (its requests go on with the other
+speculators, or without speculation) and gets the full token history on its next proposal so
+a restarted speculator can rebuild its state. A verifier shard that fails ends every running
+request with a retryable ``unavailable`` error (their KV rows are gone with the shard) — no
+consumer ever hangs; the supervisor restarts the shards and new requests are served again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
+from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.speculative import FinishReason, emit_until_done
+from treeserve.ops.token_tree import TokenTree, merge_trees
+from treeserve.runtime import Actor, ActorError, ActorRef, handler, stream_handler
+from treeserve.transport.wire import ErrorCode
+
+log = logging.getLogger(__name__)
+
+SPECULATE_MODES = ("tree", "chain", "none")
+
+
+class InvalidRequest(ActorError):
+    """A generate request the scheduler refuses (bad field, never fits the KV cache)."""
+
+    default_code = ErrorCode.INVALID_REQUEST
+
+
+class ServiceUnavailable(ActorError):
+    """The verifier failed while the request ran; retrying the request may succeed."""
+
+    default_code = ErrorCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler knobs. ``num_rows``/``row_capacity`` must match the verifier shards' cache;
+    ``max_tree_nodes`` caps a merged token tree (root included); ``max_wait_s`` is the aging
+    bound of ``ssjf``/``hrrn``/``sjf-oracle``; ``step_timeout_s`` bounds each call to a shard."""
+
+    num_rows: int = 8
+    row_capacity: int = 2048
+    vocab_size: int = 49152
+    policy: str = "fcfs"
+    max_wait_s: float = 30.0
+    max_tree_nodes: int = 64
+    max_queue: int = 4096
+    step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"SchedulerConfig.max_wait_s must be > 0, got {self.max_wait_s}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"SchedulerConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        make_policy(self.policy, **self._policy_options())  # validates the name early
+
+    def _policy_options(self) -> dict[str, Any]:
+        return {} if self.policy == "fcfs" else {"max_wait_s": self.max_wait_s}
+
+    def make_policy(self) -> SchedulingPolicy:
+        """A fresh policy object of the configured kind."""
+        return make_policy(self.policy, **self._policy_options())
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculate: str
+    arrival_s: float
+    outbox: asyncio.Queue[dict[str, Any] | ActorError] = field(default_factory=asyncio.Queue)
+    row: int | None = None
+    emitted: list[int] = field(default_factory=list)
+    since_propose: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    needs_history: set[int] = field(default_factory=set)
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    is_cancelled: bool = False
+    is_done: bool = False
+
+    @property
+    def root(self) -> int:
+        """The last token so far: the root of the next token tree."""
+        return self.emitted[-1] if self.emitted else self.prompt_ids[-1]
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequest(f"{what} must be a list of integers")
+    return list(value)
+
+
+class SchedulerActor(Actor):
+    """Runs the step loop (an owned task) and serves ``generate`` streams and ``stats``.
+
+    Constructed in the head process with the config, the verifier shards' refs (rank order)
+    and the speculator actors' refs. ``generate`` streams ``{"token_ids": [...]}`` items and a
+    last item with ``"done": true`` and the request's statistics; cancelling the stream
+    removes the request and frees its KV row. ``clock`` is injectable for tests.
+    """
+
+    max_concurrency = 65536
+    mailbox_size = 65536
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        verifiers: Sequence[ActorRef],
+        speculators: Sequence[ActorRef] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not verifiers:
+            raise ValueError("the scheduler needs at least one verifier shard")
+        self.config = config
+        self.verifiers = list(verifiers)
+        self.speculators = list(speculators)
+        self.clock = clock
+        self._policy = config.make_policy()
+        self._requests: dict[str, _Request] = {}
+        self._running: dict[str, _Request] = {}
+        self._free_rows = list(range(config.num_rows))
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._counters = {"num_steps": 0, "num_completed": 0, "num_cancelled": 0, "num_failed": 0,
+                          "num_speculator_failures": 0, "num_verifier_failures": 0}
+
+    async def on_start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="scheduler-step-loop")
+
+    async def on_stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        for req in list(self._requests.values()):
+            self._fail(req, ServiceUnavailable("the scheduler is shutting down"))
+
+    # ------------------------------------------------------------------ public handlers
+    @stream_handler
+    async def generate(self, body: Any) -> AsyncIterator[dict[str, Any]]:
+        req = self._parse(body)
+        if len(self._policy) >= self.config.max_queue:
+            raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
+        self._requests[req.request_id] = req
+        self._policy.add(
+            QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids), req.params.max_new_tokens),
+            req.arrival_s,
+        )
+        self._wake.set()
+        try:
+            while True:
+                item = await req.outbox.get()
+                if isinstance(item, ActorError):
+                    raise item
+                yield item
+                if item.get("done"):
+                    return
+        finally:
+            if not req.is_done:
+                req.is_cancelled = True
+                if self._policy.remove(req.request_id):
+                    self._requests.pop(req.request_id, None)
+                self._counters["num_cancelled"] += 1
+                self._wake.set()
+
+    @handler
+    async def stats(self) -> dict[str, Any]:
+        return {
+            **self._counters,
+            "num_queued": len(self._policy),
+            "num_running": len(self._running),
+            "num_free_rows": len(self._free_rows),
+            "policy": self.config.policy,
+        }
+
+    # ------------------------------------------------------------------ request parsing
+    def _parse(self, body: Any) -> _Request:
+        if not isinstance(body, dict):
+            raise InvalidRequest("generate body must be a map")
+        unknown = set(body) - {"request_id", "prompt_ids", "params", "speculate"}
+        if unknown:
+            raise InvalidRequest(f"unknown generate fields: {sorted(unknown)}")
+        prompt = _int_list(body.get("prompt_ids"), "prompt_ids")
+        if not prompt:
+            raise InvalidRequest("prompt_ids must not be empty")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt_ids contains a token id outside [0, {self.config.vocab_size})")
+        try:
+            params = params_from_wire(body.get("params") or {})
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        speculate = body.get("speculate", "tree")
+        if speculate not in SPECULATE_MODES:
+            raise InvalidRequest(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
+        needed = len(prompt) + params.max_new_tokens + self.config.max_tree_nodes
+        if needed > self.config.row_capacity:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_new_tokens}) does not fit the "
+                f"context of {self.config.row_capacity - self.config.max_tree_nodes} tokens"
+            )
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        return _Request(request_id, prompt, params, speculate, self.clock())
+
+    # ------------------------------------------------------------------ the step loop
+    async def _run(self) -> None:
+        while True:
+            await self._reap_cancelled()
+            await self._admit()
+            if not self._running:
+                self._wake.clear()
+                if len(self._policy) == 0 or not self._free_rows:
+                    await self._wake.wait()
+                continue
+            await self._step()
+
+    async def _reap_cancelled(self) -> None:
+        for req in [r for r in self._running.values() if r.is_cancelled]:
+            await self._release(req)
+
+    async def _admit(self) -> None:
+        while self._free_rows and len(self._policy):
+            picked = self._policy.select(self.clock(), len(self._free_rows))
+            if not picked:
+                return
+            for queued in picked:
+                req = self._requests.get(queued.request_id)
+                if req is None or req.is_cancelled:
+                    self._requests.pop(queued.request_id, None)
+                    continue
+                req.row = self._free_rows.pop()
+                req.admitted_s = self.clock()
+                self._running[req.request_id] = req
+                try:
+                    await self._all_shards("prefill", {"row": req.row, "prompt_ids": req.prompt_ids})
+                except ActorError as exc:
+                    self._on_verifier_failure(exc)
+                    return
+                await self._start_speculators(req)
+
+    async def _start_speculators(self, req: _Request) -> None:
+        if req.speculate == "none":
+            return
+        body = {"request_id": req.request_id, "prompt_ids": req.prompt_ids}
+        results = await asyncio.gather(
+            *(s.ask("start", body, timeout=self.config.step_timeout_s) for s in self.speculators),
+            return_exceptions=True,
+        )
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                self._on_speculator_failure(index, result)
+
+    async def _step(self) -> None:
+        batch = [r for r in self._running.values() if not r.is_cancelled]
+        if not batch:
+            return
+        trees = await self._propose(batch)
+        rows = [
+            {"row": req.row, "tree": tree_to_wire(tree), "params": params_to_wire(req.params), "request_id": req.request_id}
+            for req, tree in zip(batch, trees)
+        ]
+        try:
+            reply = await self._all_shards("step", {"rows": rows})
+        except ActorError as exc:
+            self._on_verifier_failure(exc)
+            return
+        self._counters["num_steps"] += 1
+        now = self.clock()
+        for req, result in zip(batch, reply["rows"]):
+            if result["row"] != req.row:
+                raise RuntimeError(f"verifier answered row {result['row']} for request in row {req.row}")
+            new_tokens = [int(t) for t in result["new_tokens"]]
+            taken, finish = emit_until_done(req.emitted, new_tokens, req.params)
+            req.accepted_per_step.append(len(result["accepted"]) - 1)
+            req.since_propose.extend(taken)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if not req.is_cancelled:
+                req.outbox.put_nowait({"token_ids": taken})
+            if finish is not None:
+                await self._finish(req, finish)
+
+    async def _propose(self, batch: list[_Request]) -> list[TokenTree]:
+        speculating = [r for r in batch if r.speculate != "none" and r.params.max_new_tokens - len(r.emitted) > 1]
+        per_request: dict[str, list[TokenTree]] = {r.request_id: [] for r in batch}
+        if speculating and self.speculators:
+            calls = []
+            for index, spec in enumerate(self.speculators):
+                entries = []
+                for req in speculating:
+                    entry: dict[str, Any] = {
+                        "request_id": req.request_id,
+                        "new_tokens": list(req.since_propose),
+                        "max_depth": req.params.max_new_tokens - len(req.emitted) - 1,
+                        "params": params_to_wire(req.params),
+                    }
+                    if index in req.needs_history:
+                        entry["history"] = req.prompt_ids + req.emitted
+                    entries.append(entry)
+                calls.append(spec.ask("propose", {"requests": entries}, timeout=self.config.step_timeout_s))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for index, result in enumerate(results):
+                if isinstance(result, BaseException):
+                    self._on_speculator_failure(index, result)
+                    continue
+                missing = set(result.get("missing", ()))
+                for req, wire in zip(speculating, result["trees"]):
+                    if req.request_id in missing:
+                        req.needs_history.add(index)  # the speculator lost its state: resend history
+                    else:
+                        req.needs_history.discard(index)
+                    if wire is not None:
+                        per_request[req.request_id].append(tree_from_wire(wire))
+            for req in speculating:
+                req.since_propose.clear()
+        trees = []
+        for req in batch:
+            proposed = [t for t in per_request[req.request_id] if t.root_token == req.root]
+            tree = merge_trees(proposed) if proposed else TokenTree.from_parents([-1], [req.root])
+            if req.speculate == "chain":
+                tree = tree.first_chain()
+            trees.append(self._fit(tree, req))
+        return trees
+
+    def _fit(self, tree: TokenTree, req: _Request) -> TokenTree:
+        import torch
+
+        max_depth = req.params.max_new_tokens - len(req.emitted) - 1
+        keep = (tree.depths() <= max_depth) & (torch.arange(tree.num_nodes) < self.config.max_tree_nodes)
+        return tree if bool(keep.all()) else tree.restricted(keep)
+
+    # ------------------------------------------------------------------ completion and faults
+    async def _finish(self, req: _Request, finish: FinishReason) -> None:
+        now = self.clock()
+        steps = len(req.accepted_per_step)
+        req.is_done = True
+        req.outbox.put_nowait({
+            "token_ids": [],
+            "done": True,
+            "finish_reason": finish.value,
+            "num_prompt_tokens": len(req.prompt_ids),
+            "num_generated_tokens": len(req.emitted),
+            "num_steps": steps,
+            # SpecInfer's "tokens verified per step": accepted drafts plus the LLM's own token.
+            "mean_accepted_per_step": (sum(req.accepted_per_step) + steps) / steps if steps else 0.0,
+            "mean_accepted_drafts_per_step": sum(req.accepted_per_step) / steps if steps else 0.0,
+            "queue_s": (req.admitted_s or now) - req.arrival_s,
+            "ttft_s": (req.first_token_s or now) - req.arrival_s,
+            "total_s": now - req.arrival_s,
+        })
+        self._counters["num_completed"] += 1
+        await self._release(req)
+
+    async def _release(self, req: _Request) -> None:
+        self._running.pop(req.request_id, None)
+        self._requests.pop(req.request_id, None)
+        if req.row is None:
+            return
+        row, req.row = req.row, None
+        try:
+            await self._all_shards("release", {"row": row, "request_id": req.request_id})
+        except ActorError as exc:
+            self._on_verifier_failure(exc)
+            return
+        self._free_rows.append(row)
+        if req.speculate != "none":
+            await asyncio.gather(
+                *(s.ask("release", {"request_id": req.request_id}, timeout=self.config.step_timeout_s)
+                  for s in self.speculators),
+                return_exceptions=True,
+            )
+
+    def _fail(self, req: _Request, error: ActorError) -> None:
+        req.is_done = True
+        req.outbox.put_nowait(error)
+        self._running.pop(req.request_id, None)
+        self._requests.pop(req.request_id, None)
+
+    def _on_speculator_failure(self, index: int, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
+        self._counters["num_speculator_failures"] += 1
+        log.warning("speculator %d failed (%s); its requests go on without it this step", index, exc)
+        for req in self._running.values():
+            req.needs_history.add(index)
+
+    def _on_verifier_failure(self, exc: ActorError) -> None:
+        """Every running request loses its KV rows with the shard: fail them, retryably."""
+        self._counters["num_verifier_failures"] += 1
+        log.warning("verifier step failed (%s); failing %d running requests", exc, len(self._running))
+        for req in list(self._running.values()):
+            self._counters["num_failed"] += 1
+            self._fail(req, ServiceUnavailable(f"the verifier failed during the request: {exc.message}", retryable=True))
+        self._free_rows = list(range(self.config.num_rows))
+
+    async def _all_shards(self, method: str, body: dict[str, Any]) -> Any:
+        """Send one call to every verifier shard (rank order) and return rank 0's reply."""
+        results = await asyncio.gather(
+            *(v.ask(method, body, timeout=self.config.step_timeout_s) for v in self.verifiers),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, ActorError):
+                raise result
+            if isinstance(result, BaseException):
+                raise ActorError(f"{type(result).__name__}: {result}", code=ErrorCode.INTERNAL)
+        return results[0]
+

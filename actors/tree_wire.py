@@ -1,0 +1,195 @@
+"""Token trees and sampling params as msgpack-able dicts for actor message bodies.
+
+Tree wire form (node 0 is the root = the request's last emitted token)::
+
+    {"parents": [int] (T,), "tokens": [int] (T,),
+     "proposal_children": [int] (P,), "proposal_speculators": [int] (P,), "proposal_q_rows": [int] (P,),
+     "draft_probs": None | float32 array (R, V) | {"shape": [R, V], "index": [int], "values": [float]}}
+
+The integer fields are plain lists, not arrays: a token tree has at most a few dozen nodes, and
+every array costs one zmq frame while ``WireLimits.max_frames`` is 64 per message, so a step
+with many rows would run out of frames. Incoming integer fields may also be int arrays (numpy
+or torch). ``draft_probs`` (SpecInfer's drafting distributions, only for stochastic trees) is
+the one large field: a dense float32 array (one frame), or, when it has at most
+:data:`SPARSE_MAX_NONZEROS` non-zeros (point masses of the n-gram speculator, top-k drafts), a
+sparse map of flat indices and float32 values, exact either way. Decoding validates everything
+and raises ``ValueError`` naming the bad field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.token_tree import TokenTree
+
+SPARSE_MAX_NONZEROS = 4096
+"""Largest non-zero count sent as a sparse ``draft_probs`` map instead of a dense array."""
+
+_INT_FIELDS = ("parents", "tokens", "proposal_children", "proposal_speculators", "proposal_q_rows")
+_TREE_FIELDS = frozenset((*_INT_FIELDS, "draft_probs"))
+_PARAM_FIELDS = frozenset(("temperature", "top_k", "top_p", "seed", "stop_token_ids", "max_new_tokens"))
+_MAX_NODES = 1 << 16
+_MAX_PROB_ELEMENTS = 1 << 28
+
+
+def tree_to_wire(tree: TokenTree) -> dict[str, Any]:
+    """The wire dict of ``tree`` (see the module docstring); :func:`tree_from_wire` inverts it exactly."""
+    wire: dict[str, Any] = {name: getattr(tree, name).tolist() for name in _INT_FIELDS}
+    probs = tree.draft_probs
+    if probs is None:
+        wire["draft_probs"] = None
+    else:
+        dense = probs.detach().to("cpu", torch.float32).contiguous()  # (R, V)
+        flat = dense.reshape(-1)
+        index = flat.nonzero().flatten()
+        if index.numel() <= SPARSE_MAX_NONZEROS:
+            wire["draft_probs"] = {
+                "shape": list(dense.shape),
+                "index": index.tolist(),
+                "values": flat[index].tolist(),  # float32 -> float64 -> float32 is exact
+            }
+        else:
+            wire["draft_probs"] = dense.numpy()
+    return wire
+
+
+def tree_from_wire(wire: Any) -> TokenTree:
+    """Rebuild a :class:`TokenTree` from its wire dict; ``ValueError`` says what is malformed."""
+    if not isinstance(wire, Mapping):
+        raise ValueError(f"a token tree must be a map, got {type(wire).__name__}")
+    unknown = set(wire) - _TREE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown token tree fields {sorted(map(str, unknown))}; expected {sorted(_TREE_FIELDS)}")
+    missing = _TREE_FIELDS - set(wire) - {"draft_probs"}
+    if missing:
+        raise ValueError(f"token tree is missing fields {sorted(missing)}")
+    ints = {name: _int_vector(wire[name], name) for name in _INT_FIELDS}
+    probs = _draft_probs(wire.get("draft_probs"))
+    try:
+        return TokenTree(
+            ints["parents"],
+            ints["tokens"],
+            ints["proposal_children"],
+            ints["proposal_speculators"],
+            ints["proposal_q_rows"],
+            probs,
+        )
+    except ValueError as exc:
+        raise ValueError(f"invalid token tree: {exc}") from None
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """The wire dict of ``params``: its six fields by name (``stop_token_ids`` as a list)."""
+    return {
+        "temperature": float(params.temperature),
+        "top_k": params.top_k,
+        "top_p": float(params.top_p),
+        "seed": params.seed,
+        "stop_token_ids": list(params.stop_token_ids),
+        "max_new_tokens": params.max_new_tokens,
+    }
+
+
+def params_from_wire(wire: Any) -> SamplingParams:
+    """Rebuild :class:`SamplingParams`; absent fields take their defaults, unknown ones are
+    rejected, and every value is validated (``ValueError`` with the field's name)."""
+    if not isinstance(wire, Mapping):
+        raise ValueError(f"sampling params must be a map, got {type(wire).__name__}")
+    unknown = set(wire) - _PARAM_FIELDS
+    if unknown:
+        raise ValueError(f"unknown sampling params fields {sorted(map(str, unknown))}; expected {sorted(_PARAM_FIELDS)}")
+    fields = dict(wire)
+    stops = fields.get("stop_token_ids")
+    if stops is not None:
+        if not isinstance(stops, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stops).__name__}")
+        fields["stop_token_ids"] = tuple(stops)
+    elif "stop_token_ids" in fields:
+        fields["stop_token_ids"] = ()
+    if fields.get("top_k") is not None and isinstance(fields["top_k"], float) and fields["top_k"].is_integer():
+        fields["top_k"] = int(fields["top_k"])
+    for name in ("top_p", "max_new_tokens"):
+        if name in fields and fields[name] is None:
+            del fields[name]  # None means "default" for the fields that have no None value
+    try:
+        return SamplingParams(**fields)
+    except TypeError as exc:
+        raise ValueError(f"invalid sampling params: {exc}") from None
+
+
+def _int_vector(value: Any, name: str) -> Tensor:
+    if isinstance(value, Tensor):
+        array = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ValueError(f"token tree field {name!r} must hold integers")
+        if len(value) > _MAX_NODES:
+            raise ValueError(f"token tree field {name!r} is too long ({len(value)} > {_MAX_NODES})")
+        return torch.tensor(value, dtype=torch.long).reshape(-1)
+    else:
+        raise ValueError(f"token tree field {name!r} must be a list or an integer array, got {type(value).__name__}")
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"token tree field {name!r} must be a 1-D integer array, got {array.dtype} {array.shape}")
+    if array.shape[0] > _MAX_NODES:
+        raise ValueError(f"token tree field {name!r} is too long ({array.shape[0]} > {_MAX_NODES})")
+    return torch.from_numpy(np.array(array, dtype=np.int64))  # copy: decoded arrays are read-only
+
+
+def _draft_probs(value: Any) -> Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return _sparse_probs(value)
+    if isinstance(value, Tensor):
+        array = value.detach().cpu().float().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    else:
+        raise ValueError(f"draft_probs must be None, a float array or a sparse map, got {type(value).__name__}")
+    if array.ndim != 2 or array.dtype.kind != "f":
+        raise ValueError(f"draft_probs must be a 2-D float array (R, V), got {array.dtype} {array.shape}")
+    probs = torch.from_numpy(np.array(array, dtype=np.float32))
+    _check_probs(probs)
+    return probs
+
+
+def _sparse_probs(value: Mapping[Any, Any]) -> Tensor:
+    if set(value) != {"shape", "index", "values"}:
+        raise ValueError(f"sparse draft_probs needs exactly the fields shape, index, values; got {sorted(map(str, value))}")
+    shape, index, values = value["shape"], value["index"], value["values"]
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 2
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)
+    ):
+        raise ValueError(f"sparse draft_probs shape must be [rows, vocab], got {shape!r}")
+    if math.prod(shape) > _MAX_PROB_ELEMENTS:
+        raise ValueError(f"sparse draft_probs shape {shape} is too large")
+    if not isinstance(index, (list, tuple)) or not isinstance(values, (list, tuple)) or len(index) != len(values):
+        raise ValueError("sparse draft_probs index and values must be lists of equal length")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < math.prod(shape) for i in index):
+        raise ValueError(f"sparse draft_probs index entries must be integers in [0, {math.prod(shape)})")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ValueError("sparse draft_probs values must be numbers")
+    flat = torch.zeros(math.prod(shape), dtype=torch.float32)
+    flat[torch.tensor(index, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    probs = flat.reshape(shape[0], shape[1])
+    _check_probs(probs)
+    return probs
+
+
+def _check_probs(probs: Tensor) -> None:
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError("draft_probs must be finite and non-negative")
+
+
+__all__ = ["SPARSE_MAX_NONZEROS", "params_from_wire", "params_to_wire", "tree_from_wire", "tree_to_wire"]

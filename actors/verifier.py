@@ -1,0 +1,370 @@
+"""``VerifierShard``: one tensor-parallel rank of the LLM verifier, with a multi-row KV cache.
+
+Every rank receives the same calls in the same order (the scheduler fans each call out to all
+shards and awaits all replies before the next call); rank 0's reply is the one used. Handlers:
+
+* ``info`` -> ``{"vocab_size", "max_seq_len", "num_rows", "row_capacity", "eos_ids", "tp_rank", "tp_size"}``
+* ``prefill {"row", "prompt_ids"}`` -> ``{"row", "length"}``: reset the row and commit the prompt
+  except its last token (the root of the row's first token tree).
+* ``step {"rows": [{"row", "tree", "params", "request_id"}]}`` -> ``{"rows": [{"row", "accepted",
+  "bonus_token", "new_tokens"}]}``: one batched forward per compact block of rows
+  (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
+* ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
+
+Rank agreement: only rank 0 verifies (it holds the per-request ``torch.Generator``, seeded from
+``params.seed`` on first use); it broadcasts each row's decision (accepted path and bonus token)
+over the process group before any rank commits, so every rank commits identical paths even if
+float summation differed between ranks. A verification failure is broadcast too, so all ranks
+raise and roll back together. Bad input raises ``ValueError`` before any collective runs.
+
+The forward runs in a worker thread (the event loop keeps answering heartbeats); calls are
+serialized and a cancelled call still finishes its compute before the next one starts, so the
+cache never sees two steps at once. A caller whose ``step`` failed or timed out cannot know
+whether it committed and should ``release`` and re-``prefill`` that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from treeserve.actors.tree_wire import params_from_wire, tree_from_wire
+from treeserve.ops.batch_step import RowStep, prefill_row, verify_rows
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.model import Transformer
+from treeserve.ops.sampling import SamplingParams, make_generator
+from treeserve.ops.token_tree import TokenTree
+from treeserve.ops.verify import VerificationError, VerifyFn, VerifyResult, verify
+from treeserve.runtime import Actor, handler
+
+_log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DTYPES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Accepted ``dtype`` config values."""
+
+
+def _int(value: Any, name: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _str_or_none(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string or null, got {value!r}")
+    return value
+
+
+def _body(body: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ValueError(f"the request body must be a map with fields {list(required)}, got {type(body).__name__}")
+    missing = [k for k in required if k not in body]
+    unknown = sorted(str(k) for k in body if k not in required and k not in optional)
+    if missing or unknown:
+        raise ValueError(f"request body: missing fields {missing}, unknown fields {unknown}")
+    return body
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """Validated config of one :class:`VerifierShard` (see ``from_wire`` for the dict form).
+
+    ``row_capacity`` None means the model's ``max_seq_len``. ``dist_timeout_s`` bounds every
+    collective (a rank whose peer died fails instead of hanging forever). ``num_threads`` sets
+    torch's intra-op threads for the whole process (None: torch's default, one per core), for
+    several CPU shards sharing one machine; only meant for ``process="child"`` actors.
+    """
+
+    model: str
+    cache_dir: str | None = None
+    dtype: str = "float32"
+    tp_rank: int = 0
+    tp_size: int = 1
+    dist_init: str | None = None
+    device: str = "cpu"
+    num_rows: int = 8
+    row_capacity: int | None = None
+    dist_timeout_s: float = 120.0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a registry name, .gguf path or folder, got {self.model!r}")
+        _str_or_none(self.cache_dir, "cache_dir")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _int(self.tp_size, "tp_size", minimum=1)
+        _int(self.tp_rank, "tp_rank")
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank must be < tp_size ({self.tp_size}), got {self.tp_rank}")
+        if self.tp_size > 1 and not (isinstance(self.dist_init, str) and self.dist_init.startswith(("tcp://", "file://"))):
+            raise ValueError(f"tp_size > 1 needs dist_init like 'tcp://127.0.0.1:PORT', got {self.dist_init!r}")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _int(self.num_rows, "num_rows", minimum=1)
+        if self.row_capacity is not None:
+            _int(self.row_capacity, "row_capacity", minimum=2)
+        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
+                or not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
+        if self.num_threads is not None:
+            _int(self.num_threads, "num_threads", minimum=1)
+
+    @classmethod
+    def from_wire(cls, config: Any) -> VerifierConfig:
+        """Build from the constructor dict; unknown keys are rejected with the known ones listed."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"VerifierShard config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in config if k not in known)
+        if unknown:
+            raise ValueError(f"unknown VerifierShard config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**config)
+
+
+class SerialOffload:
+    """Runs blocking compute in a worker thread, one call at a time, cancellation-safe.
+
+    A cancelled caller stops waiting, but its compute runs to completion (shielded) and the
+    next call waits for it, so state mutated by the compute (a KV cache) is never touched by
+    two calls at once nor left half-updated.
+    """
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[Any] | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in a thread after every earlier call finished; return its result."""
+        previous = self._last
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        future.add_done_callback(_consume_exception)
+        self._last = future
+        return await asyncio.shield(future)
+
+    async def drain(self) -> None:
+        """Wait until the last started compute has finished (its result is not needed)."""
+        if self._last is not None and not self._last.done():
+            await asyncio.wait([self._last])
+
+
+def _consume_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # marks it retrieved when its caller was cancelled
+
+
+class VerifierShard(Actor):
+    """One verifier rank (see the module docstring for the handlers and the TP contract)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = VerifierConfig.from_wire(config)
+        self._offload = SerialOffload()
+        self._model: Transformer | None = None
+        self._cache: KVCache | None = None
+        self._info: dict[str, Any] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._setup: asyncio.Future[None] | None = None
+        self._has_group = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def on_start(self) -> None:
+        """Load the model (fails the spawn on a bad path); start the TP rendezvous + sharding.
+
+        The rendezvous waits for every rank, so it runs in the background: ranks may be
+        spawned one after the other. Handlers wait for it to finish.
+        """
+        from treeserve.models import load_model
+
+        cfg = self.config
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        loaded = await asyncio.to_thread(load_model, cfg.model, dtype=DTYPES[cfg.dtype], cache_dir=cfg.cache_dir)
+        capacity = cfg.row_capacity if cfg.row_capacity is not None else loaded.config.max_seq_len
+        if capacity > loaded.config.max_seq_len:
+            raise ValueError(f"row_capacity {capacity} exceeds the model's max_seq_len {loaded.config.max_seq_len}")
+        self._info = {
+            "vocab_size": loaded.config.vocab_size,
+            "max_seq_len": loaded.config.max_seq_len,
+            "num_rows": cfg.num_rows,
+            "row_capacity": capacity,
+            "eos_ids": sorted(loaded.tokenizer.stop_ids),
+            "tp_rank": cfg.tp_rank,
+            "tp_size": cfg.tp_size,
+        }
+        self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, capacity))
+        self._setup.add_done_callback(_consume_exception)
+
+    async def on_stop(self) -> None:
+        """Let running compute finish, then leave the process group."""
+        if self._setup is not None and not self._setup.done():
+            self._setup.cancel()
+        await self._offload.drain()
+        if self._has_group:
+            import torch.distributed as dist
+
+            self._has_group = False
+            try:
+                dist.destroy_process_group()
+            except Exception:  # the group may already be broken by a dead peer
+                _log.warning("verifier rank %d: destroy_process_group failed", self.config.tp_rank, exc_info=True)
+
+    def _shard_and_allocate(self, model: Transformer, capacity: int) -> None:
+        cfg = self.config
+        if cfg.tp_size > 1:
+            import torch.distributed as dist
+
+            from treeserve.ops.tp import apply_tp, distributed_all_reduce
+
+            backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+            if cfg.device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(cfg.device))
+            dist.init_process_group(
+                backend,
+                init_method=cfg.dist_init,
+                rank=cfg.tp_rank,
+                world_size=cfg.tp_size,
+                timeout=timedelta(seconds=cfg.dist_timeout_s),
+            )
+            self._has_group = True
+            model = apply_tp(model, cfg.tp_rank, cfg.tp_size, distributed_all_reduce())
+        model = model.to(cfg.device)
+        self._model = model
+        self._cache = model.new_cache(cfg.num_rows, capacity)
+
+    async def _ready(self) -> tuple[Transformer, KVCache]:
+        if self._setup is None:
+            raise RuntimeError("VerifierShard is not started")
+        await self._setup
+        assert self._model is not None and self._cache is not None
+        return self._model, self._cache
+
+    # ------------------------------------------------------------------ handlers
+    @handler
+    async def info(self) -> dict[str, Any]:
+        """Model and cache facts the scheduler needs (waits for the TP rendezvous)."""
+        await self._ready()
+        return dict(self._info)
+
+    @handler
+    async def prefill(self, body: Any) -> dict[str, int]:
+        """Reset ``row`` and commit ``prompt_ids[:-1]``; the last prompt token is the first root."""
+        body = _body(body, ("row", "prompt_ids"))
+        model, cache = await self._ready()
+        row = self._row(body["row"])
+        prompt = body["prompt_ids"]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError("prompt_ids must hold integers")
+        if len(prompt) >= self._info["row_capacity"]:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
+            )
+        length = await self._offload.run(prefill_row, model, cache, row, prompt[:-1])
+        return {"row": row, "length": length}
+
+    @handler
+    async def step(self, body: Any) -> dict[str, Any]:
+        """Verify one token tree per given row in batched forwards; commit each accepted path."""
+        body = _body(body, ("rows",))
+        model, cache = await self._ready()
+        entries = body["rows"]
+        if not isinstance(entries, (list, tuple)) or not entries:
+            raise ValueError("step needs a non-empty list 'rows'")
+        steps: list[RowStep] = []
+        for entry in entries:
+            entry = _body(entry, ("row", "tree", "params", "request_id"))
+            request_id = entry["request_id"]
+            if not isinstance(request_id, str):
+                raise ValueError(f"request_id must be a string, got {request_id!r}")
+            tree = tree_from_wire(entry["tree"])
+            params = params_from_wire(entry["params"])
+            steps.append(RowStep(self._row(entry["row"]), tree, params, self._generator_for(request_id, params)))
+        results = await self._offload.run(self._verify_rows, model, cache, steps)
+        return {
+            "rows": [
+                {
+                    "row": step.row,
+                    "accepted": list(result.accepted),
+                    "bonus_token": result.bonus_token,
+                    "new_tokens": result.new_tokens(step.tree),
+                }
+                for step, result in zip(steps, results)
+            ]
+        }
+
+    @handler
+    async def release(self, body: Any) -> None:
+        """Forget ``row``'s KV cache and ``request_id``'s generator (idempotent)."""
+        body = _body(body, ("row", "request_id"))
+        _model, cache = await self._ready()
+        row = self._row(body["row"])
+        self._generators.pop(str(body["request_id"]), None)
+        await self._offload.run(cache.reset_row, row)
+
+    # ------------------------------------------------------------------ helpers
+    def _row(self, value: Any) -> int:
+        row = _int(value, "row")
+        if row >= self.config.num_rows:
+            raise ValueError(f"row {row} out of range: this verifier has {self.config.num_rows} rows")
+        return row
+
+    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.is_greedy or self.config.tp_rank != 0:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = self._generators[request_id] = make_generator(params)
+        return generator
+
+    def _verify_rows(self, model: Transformer, cache: KVCache, steps: list[RowStep]) -> list[VerifyResult]:
+        verifier: VerifyFn = verify
+        if self.config.tp_size > 1:
+            verifier = rank0_broadcast_verifier(self.config.tp_rank, cache.device if self.config.device != "cpu" else None)
+        return verify_rows(model, cache, steps, verifier=verifier)
+
+
+def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: VerifyFn = verify) -> VerifyFn:
+    """A verifier for tensor-parallel ranks: rank 0 runs ``inner`` and broadcasts its decision.
+
+    The decision travels as int64 ``[num_accepted, bonus_token, accepted...]`` sized by the tree
+    (known to every rank); ``num_accepted == 0`` (impossible for a real result: the root is
+    always accepted) tells the other ranks that rank 0's verification raised, so they raise too.
+    ``device`` is where the buffer lives (the CUDA device with NCCL; None for gloo on the CPU).
+    """
+    import torch.distributed as dist
+
+    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> VerifyResult:
+        decision = torch.zeros(tree.num_nodes + 2, dtype=torch.long)
+        failure: Exception | None = None
+        if rank == 0:
+            try:
+                result = inner(tree, logits, params, generator)
+                decision[0] = len(result.accepted)
+                decision[1] = result.bonus_token
+                decision[2 : 2 + len(result.accepted)] = torch.tensor(result.accepted, dtype=torch.long)
+            except Exception as exc:  # broadcast the failure first, then raise it
+                failure = exc
+        buffer = decision if device is None else decision.to(device)
+        dist.broadcast(buffer, src=0)
+        values = buffer.cpu().tolist()
+        if failure is not None:
+            raise failure
+        if values[0] == 0:
+            raise VerificationError("verification failed on rank 0")
+        return VerifyResult(values[2 : 2 + values[0]], values[1])
+
+    return verifier
+
+
+__all__ = ["DTYPES", "SerialOffload", "VerifierConfig", "VerifierShard", "rank0_broadcast_verifier"]

@@ -1,0 +1,156 @@
+"""End to end through the whole actor system: Client -> gateway -> scheduler -> speculator and
+verifier-shard child processes, on a tiny random model written to disk.
+
+The reference is plain incremental decoding in this process (``generate_incremental``): in
+float32 greedy decoding the served tokens must be identical for tree, chain and no
+speculation, with TP=1 and TP=2. Faults: killing the speculator mid-generation keeps requests
+correct; killing a verifier shard ends the running requests with a retryable error (nobody
+hangs) and the restarted shards serve new requests. Cancelling a stream frees its KV row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treeserve.client import Client, InvalidRequestError, ServerError
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.speculative import generate_incremental
+from treeserve.server import Server, ServerConfig
+
+_spec = importlib.util.spec_from_file_location("tiny_model_files", Path(__file__).with_name("tiny_model_files.py"))
+tiny = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("tiny_model_files", tiny)
+_spec.loader.exec_module(tiny)
+
+PROMPTS = [[5, 9, 11, 30, 7], [40, 41, 42, 43, 40, 41, 42], [3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+SPECULATORS = (
+    {"kind": "ngram", "num_draft_tokens": 4},
+    {"kind": "self", "layers": 2, "expansion": [1, 2, 1, 1]},
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    model = tiny.make_tiny_model()
+    params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(tiny.EOS_ID,))
+    return generate_incremental(model, prompt, params).token_ids
+
+
+def config(folder: Path, **overrides: Any) -> ServerConfig:
+    base: dict[str, Any] = dict(
+        model=str(folder), bind="tcp://127.0.0.1:0", num_rows=4, row_capacity=160, max_tree_nodes=32,
+        speculators=SPECULATORS, heartbeat_interval_s=0.25, step_timeout_s=60.0,
+    )
+    return ServerConfig(**{**base, **overrides})
+
+
+async def wait_for_stats(server: Server, predicate: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Poll the scheduler's stats until ``predicate`` holds (rows are freed just after the last item)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        stats = await server.scheduler.ask("stats")
+        if predicate(stats) or loop.time() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+async def generate_all(client: Client, speculate: str, max_tokens: int) -> list[list[int]]:
+    completions = await asyncio.gather(
+        *(client.generate(p, speculate=speculate, max_tokens=max_tokens) for p in PROMPTS)
+    )
+    return [list(c.token_ids) for c in completions]
+
+
+async def test_greedy_output_identical_to_incremental(tiny_folder: Path) -> None:
+    expected = [reference(p, 24) for p in PROMPTS]
+    async with Server(config(tiny_folder)) as server, Client(server.endpoint) as client:
+        for speculate in ("none", "chain", "tree"):
+            assert await generate_all(client, speculate, 24) == expected, speculate
+        stats = await wait_for_stats(server, lambda st: st["num_free_rows"] == 4)
+        assert stats["num_completed"] == 3 * len(PROMPTS)
+        assert stats["num_free_rows"] == 4 and stats["num_running"] == 0
+
+
+async def test_tp2_equals_tp1(tiny_folder: Path) -> None:
+    expected = [reference(p, 16) for p in PROMPTS]
+    async with Server(config(tiny_folder, tp=2)) as server, Client(server.endpoint) as client:
+        assert await generate_all(client, "tree", 16) == expected
+
+
+async def test_cancel_frees_the_row(tiny_folder: Path) -> None:
+    async with Server(config(tiny_folder, num_rows=1)) as server, Client(server.endpoint) as client:
+        stream = client.stream([5, 6, 7], speculate="none", max_tokens=100)
+        async for chunk in stream:
+            assert chunk.token_ids
+            break
+        await stream.aclose()
+        stats = await wait_for_stats(server, lambda st: st["num_free_rows"] == 1 and st["num_running"] == 0)
+        assert stats["num_free_rows"] == 1 and stats["num_cancelled"] == 1
+        # With its only row freed, the next request runs (it would wait forever otherwise).
+        completion = await asyncio.wait_for(client.generate(PROMPTS[0], max_tokens=8), 60)
+        assert list(completion.token_ids) == reference(PROMPTS[0], 8)
+
+
+async def test_bad_requests_get_errors_and_server_keeps_serving(tiny_folder: Path) -> None:
+    async with Server(config(tiny_folder)) as server, Client(server.endpoint) as client:
+        bad: list[dict[str, Any]] = [
+            {"prompt": [], "max_tokens": 4},
+            {"prompt": list(range(3, 90)) * 3, "max_tokens": 4},  # longer than the context
+            {"prompt": [5, 6], "max_tokens": 0},
+            {"prompt": [5, 6], "temperature": -1.0},
+            {"prompt": [5, 6], "temperature": float("nan")},
+            {"prompt": [5, 6], "top_p": 1.5},
+            {"prompt": [5, 100000]},  # outside the vocabulary
+        ]
+        for case in bad:
+            prompt = case.pop("prompt")
+            with pytest.raises(InvalidRequestError):
+                await client.generate(prompt, **case)
+        completion = await client.generate(PROMPTS[0], max_tokens=8)
+        assert list(completion.token_ids) == reference(PROMPTS[0], 8)
+
+
+async def test_killed_speculator_requests_stay_correct(tiny_folder: Path) -> None:
+    expected = [reference(p, 40) for p in PROMPTS]
+    async with Server(config(tiny_folder)) as server, Client(server.endpoint) as client:
+        sup = server.speculator_supervisor
+        pid = sup.pid("speculator-0")
+        tasks = [asyncio.ensure_future(client.generate(p, speculate="tree", max_tokens=40)) for p in PROMPTS]
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert [list(c.token_ids) for c in results] == expected
+        await sup.wait_running("speculator-0", 60)
+        assert sup.pid("speculator-0") != pid
+        # The restarted speculator serves (and stays lossless).
+        assert await generate_all(client, "tree", 40) == expected
+
+
+async def test_killed_verifier_fails_requests_retryably_then_recovers(tiny_folder: Path) -> None:
+    async with Server(config(tiny_folder, max_restarts=5)) as server, Client(server.endpoint) as client:
+        sup = server.verifier_supervisor
+        pid = sup.pid("verifier-0")
+        tasks = [asyncio.ensure_future(client.generate(p, speculate="none", max_tokens=100)) for p in PROMPTS]
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        assert failures, "killing the verifier mid-generation must fail the running requests"
+        for failure in failures:
+            assert isinstance(failure, ServerError) and failure.retryable, failure
+        await sup.wait_running("verifier-0", 120)
+        completion = await asyncio.wait_for(client.generate(PROMPTS[1], max_tokens=8), 120)
+        assert list(completion.token_ids) == reference(PROMPTS[1], 8)

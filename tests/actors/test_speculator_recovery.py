@@ -1,0 +1,101 @@
+"""SpeculatorActor: a request whose state was lost (the child was SIGKILLed and restarted) never
+fails a propose batch; with ``history`` it is rebuilt and drafts as a freshly started request."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treeserve.actors.speculator import SpeculatorActor, SpeculatorConfig
+from treeserve.actors.tree_wire import params_to_wire, tree_from_wire
+from treeserve.ops.sampling import SamplingParams
+from treeserve.runtime import RemoteError, Runtime, SupervisorConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _load_helper() -> Any:
+    path = Path(__file__).with_name("tiny_model_files.py")
+    spec = importlib.util.spec_from_file_location("tiny_model_files", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("tiny_model_files", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _load_helper()
+GREEDY = params_to_wire(SamplingParams())
+
+
+def entry(rid: str, new_tokens: list[int], **extra: Any) -> dict[str, Any]:
+    return {"request_id": rid, "new_tokens": new_tokens, "max_depth": 4, "params": GREEDY, **extra}
+
+
+async def test_lost_state_gives_root_only_tree_then_history_rebuilds_it(tmp_path: Path) -> None:
+    model_dir = tiny.write_tiny_hf_model(tmp_path / "tiny", seed=2)
+    config = {"model": str(model_dir), "capacity": 64, "num_threads": 1, "speculators": [
+        {"kind": "ngram", "num_draft_tokens": 3}, {"kind": "self", "layers": 2, "expansion": [2, 1, 1]}]}
+    prompt = [10, 11, 12, 10, 11]
+    async with Runtime() as rt:
+        sup = rt.supervisor(SupervisorConfig(heartbeat_misses=6, max_restarts=3, within_s=60, start_timeout_s=90))
+        spec = await rt.spawn(SpeculatorActor, config, name="spec", process="child", supervisor=sup)
+        await spec.ask("start", {"request_id": "a", "prompt_ids": prompt})
+        first = await spec.ask("propose", {"requests": [entry("a", [])]})
+        assert first["missing"] == [] and tree_from_wire(first["trees"][0]).num_nodes > 1
+        pid = sup.pid("spec")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        await sup.wait_running("spec", 30)
+        assert sup.pid("spec") != pid
+
+        emitted = [12, 13]  # what the verifier emitted after the first step (drafts + bonus)
+        lost = await spec.ask("propose", {"requests": [entry("a", emitted), entry("b", [])]})
+        assert lost["missing"] == ["a", "b"]
+        root_only = tree_from_wire(lost["trees"][0])
+        assert root_only.tokens.tolist() == [13] and root_only.num_nodes == 1
+        assert lost["trees"][1] is None  # no tokens, no history: the root is unknown
+
+        history = prompt + emitted
+        recovered = await spec.ask("propose", {"requests": [entry("a", emitted, history=history)]})
+        assert recovered["missing"] == []
+        await spec.ask("start", {"request_id": "fresh", "prompt_ids": history})
+        fresh = await spec.ask("propose", {"requests": [entry("fresh", [])]})
+        tree, expected = tree_from_wire(recovered["trees"][0]), tree_from_wire(fresh["trees"][0])
+        assert tree.num_nodes > 1 and tree.root_token == 13
+        assert tree.tokens.tolist() == expected.tokens.tolist() and tree.parents.tolist() == expected.parents.tolist()
+
+        # The rebuilt state is kept: the next propose advances it like any other request.
+        nxt = await spec.ask("propose", {"requests": [entry("a", [14]), entry("fresh", [14])]})
+        assert nxt["missing"] == [] and nxt["trees"][0] == nxt["trees"][1]
+        await spec.ask("release", {"request_id": "a"})
+        again = await spec.ask("propose", {"requests": [entry("a", [15])]})
+        assert again["missing"] == ["a"]
+        with pytest.raises(RemoteError, match="token ids"):
+            await spec.ask("propose", {"requests": [entry("a", [10_000])]})
+
+
+def test_speculator_config_validation() -> None:
+    good = {"model": "m", "speculators": [{"kind": "ngram"}, {"kind": "self", "layers": 2, "expansion": [1, 2]}]}
+    assert len(SpeculatorConfig.from_wire(good).speculators) == 2
+    for bad, message in [
+        ({**good, "speculators": [{"kind": "magic"}]}, "kind"),
+        ({**good, "speculators": [{"kind": "self", "layers": 2}]}, "expansion"),
+        ({**good, "speculators": [{"kind": "self", "layers": 0, "expansion": [1]}]}, "layers"),
+        ({**good, "speculators": [{"kind": "ngram", "max_ngram": 0}]}, "max_ngram"),
+        ({**good, "speculators": [{"kind": "ngram", "depth": 3}]}, "unknown keys"),
+        ({**good, "speculators": [{"kind": "model", "expansion": [1]}]}, "model"),
+        ({**good, "dtype": "int8"}, "dtype"),
+        ({**good, "colour": 1}, "unknown"),
+        ({"speculators": []}, "model"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculatorConfig.from_wire(bad)

@@ -1,0 +1,205 @@
+"""Batched verification over a multi-row KV cache must reproduce single-request generation exactly.
+
+Several requests (different prompt lengths, speculators giving trees of different sizes,
+greedy and seeded stochastic) are stepped together with ``prefill_row`` + ``verify_rows``; each
+must emit exactly the tokens ``generate_speculative`` gives it alone (float32, tiny model),
+which also equal ``generate_incremental`` in greedy mode. A packer whose pads are visible to
+real nodes must break that equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from treeserve.ops.batch_step import RowStep, prefill_row, verify_rows
+from treeserve.ops.drafting import ModelSpeculator, Speculator
+from treeserve.ops.model import Transformer
+from treeserve.ops.ngram import NGramSpeculator
+from treeserve.ops.sampling import SamplingParams, make_generator
+from treeserve.ops.speculative import emit_until_done, generate_incremental, generate_speculative
+from treeserve.ops.token_tree import PackedTrees, TokenTree, merge_trees, pack_trees
+
+MAX_TREE_NODES = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # type: ignore[no-untyped-def]
+    # Tiny models gain nothing from intra-op threads, which only contend on a shared machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fit(tree: TokenTree, max_depth: int, max_nodes: int) -> TokenTree:
+    # Same trimming as the single-request loop, so stochastic runs consume the same randomness.
+    keep = (tree.depths() <= max_depth) & (torch.arange(tree.num_nodes) < max_nodes)
+    return tree if bool(keep.all()) else tree.restricted(keep)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    make_speculators: Callable[[], list[Speculator]]
+    row: int = 0
+    speculators: list[Speculator] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    emitted: list[int] = field(default_factory=list)
+    root: int = 0
+    is_done: bool = False
+
+
+def run_batched(
+    model: Transformer, requests: Sequence[Request], *, num_rows: int, packer=pack_trees
+) -> list[list[int]]:
+    """Step all requests together, like a scheduler would, and return each one's tokens."""
+    cache = model.new_cache(num_rows, 200)
+    for req in requests:
+        assert prefill_row(model, cache, req.row, req.prompt[:-1]) == len(req.prompt) - 1
+        req.speculators = req.make_speculators()
+        for s in req.speculators:
+            s.prefill(req.prompt)
+        req.generator = None if req.params.is_greedy else make_generator(req.params)
+        req.root = req.prompt[-1]
+    while active := [r for r in requests if not r.is_done]:
+        steps = []
+        for req in active:
+            remaining = req.params.max_new_tokens - len(req.emitted)
+            trees = [s.propose(req.params, req.generator, max_depth=remaining - 1) for s in req.speculators]
+            tree = merge_trees(trees) if trees else TokenTree.from_parents([-1], [req.root])
+            assert tree.root_token == req.root
+            ref_capacity = min(model.config.max_seq_len, len(req.prompt) + req.params.max_new_tokens + MAX_TREE_NODES)
+            tree = _fit(tree, remaining - 1, ref_capacity - int(cache.lengths[req.row]))
+            steps.append(RowStep(req.row, tree, req.params, req.generator))
+        results = verify_rows(model, cache, steps, packer=packer)
+        for req, step, result in zip(active, steps, results):
+            new_tokens = result.new_tokens(step.tree)
+            _, finish = emit_until_done(req.emitted, new_tokens, req.params)
+            if finish is not None:
+                req.is_done = True
+                continue
+            for s in req.speculators:
+                s.accept(new_tokens)
+            req.root = result.bonus_token
+    return [r.emitted for r in requests]
+
+
+def make_requests(model: Transformer, *, stochastic: bool) -> list[Request]:
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        base = torch.randint(0, vocab, (max(n // 2, 1),), generator=gen).tolist()
+        return (base * 3)[:n]  # repeats give the n-gram speculator matches
+
+    def params(seed: int, max_new: int) -> SamplingParams:
+        if stochastic:
+            return SamplingParams(temperature=0.9, top_k=20, seed=seed, max_new_tokens=max_new)
+        return SamplingParams(max_new_tokens=max_new)
+
+    full = model.truncated(model.config.num_layers)  # a perfect drafter: long accepted paths
+    first = model.truncated(1)
+    return [
+        Request(prompt(5), params(1, 14), lambda: [ModelSpeculator(full, (1, 2, 1, 1), capacity=200)], row=0),
+        Request(prompt(17), params(2, 11), lambda: [NGramSpeculator(vocab, num_draft_tokens=3),
+                                                    ModelSpeculator(first, (2, 1), capacity=200)], row=1),
+        Request(prompt(2), params(3, 9), lambda: [], row=3),  # root-only trees; row 2 is an idle gap
+        Request(prompt(9), params(4, 12), lambda: [NGramSpeculator(vocab, num_branches=2)], row=4),
+    ]
+
+
+def reference(model: Transformer, req: Request) -> list[int]:
+    return generate_speculative(model, req.make_speculators(), req.prompt, req.params,
+                                max_tree_nodes=MAX_TREE_NODES).token_ids
+
+
+_GREEDY_CASE: dict[str, tuple[Transformer, list[list[int]]]] = {}
+
+
+@pytest.fixture
+def greedy_case(tiny_model_factory) -> tuple[Transformer, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """The tiny model and its single-request greedy outputs (computed once, shared by two tests)."""
+    if "case" not in _GREEDY_CASE:
+        model = tiny_model_factory(seed=3)
+        _GREEDY_CASE["case"] = model, [reference(model, r) for r in make_requests(model, stochastic=False)]
+    return _GREEDY_CASE["case"]
+
+
+def test_batched_greedy_steps_match_single_request_generation(greedy_case) -> None:  # type: ignore[no-untyped-def]
+    model, expected = greedy_case
+    requests = make_requests(model, stochastic=False)
+    assert expected == [generate_incremental(model, r.prompt, r.params).token_ids for r in requests]
+    got = run_batched(model, requests, num_rows=6)
+    assert got == expected
+    assert all(len(tokens) == r.params.max_new_tokens for tokens, r in zip(got, requests))
+
+
+def test_batched_stochastic_steps_match_single_request_generation(tiny_model_factory) -> None:
+    model = tiny_model_factory(seed=3)
+    requests = make_requests(model, stochastic=True)
+    expected = [reference(model, r) for r in requests]
+    got = run_batched(model, make_requests(model, stochastic=True), num_rows=6)
+    assert got == expected
+    assert all(len(tokens) == r.params.max_new_tokens for tokens, r in zip(got, requests))
+
+
+def _leaky_packer(trees, lengths, pad_token_id):  # type: ignore[no-untyped-def]
+    # Deliberately wrong: every real node also attends to its row's pad slots.
+    packed = pack_trees(trees, lengths, pad_token_id)
+    mask = packed.tree_mask.clone()
+    for b, n in enumerate(packed.num_nodes):
+        mask[b, :n, n:] = True
+    return PackedTrees(packed.tokens, mask, packed.positions, packed.num_nodes)
+
+
+def test_pads_visible_to_real_nodes_break_the_equality(greedy_case) -> None:  # type: ignore[no-untyped-def]
+    model, expected = greedy_case
+    got = run_batched(model, make_requests(model, stochastic=False), num_rows=6, packer=_leaky_packer)
+    assert got != expected
+
+
+def test_prefill_row_leaves_other_rows_alone(tiny_model_factory) -> None:
+    model = tiny_model_factory(seed=1)
+    cache = model.new_cache(3, 32)
+    prefill_row(model, cache, 0, [1, 2, 3, 4])
+    keys0 = [k[0].clone() for k in cache.keys]
+    prefill_row(model, cache, 2, [5, 6])
+    assert cache.lengths.tolist() == [4, 0, 2]
+    assert all(torch.equal(k[0], before) for k, before in zip(cache.keys, keys0))
+    single = model.new_cache(1, 32)
+    model(torch.tensor([[5, 6]]), single)
+    assert all(torch.equal(k[2, :, :2], s[0, :, :2]) for k, s in zip(cache.keys, single.keys))
+    prefill_row(model, cache, 0, [])
+    assert cache.lengths.tolist() == [0, 0, 2]
+
+
+def test_verify_rows_rejects_bad_input_without_moving_any_row(tiny_model_factory) -> None:
+    model = tiny_model_factory(seed=1)
+    cache = model.new_cache(2, 8)
+    prefill_row(model, cache, 0, [1, 2, 3])
+    prefill_row(model, cache, 1, [1, 2, 3, 4, 5, 6])
+    greedy = SamplingParams()
+    small = TokenTree.chain(7, [8])
+    big = TokenTree.chain(7, [8, 9, 10])
+    with pytest.raises(ValueError, match="room"):
+        verify_rows(model, cache, [RowStep(0, small, greedy), RowStep(1, big, greedy)])
+    with pytest.raises(ValueError, match="once"):
+        verify_rows(model, cache, [RowStep(0, small, greedy), RowStep(0, small, greedy)])
+    with pytest.raises(ValueError, match="token ids"):
+        verify_rows(model, cache, [RowStep(0, TokenTree.chain(7, [10_000]), greedy)])
+    with pytest.raises(IndexError):
+        verify_rows(model, cache, [RowStep(5, small, greedy)])
+
+    def failing(tree, logits, params, generator):  # type: ignore[no-untyped-def]
+        raise ValueError("verifier failed")
+
+    with pytest.raises(ValueError, match="verifier failed"):
+        verify_rows(model, cache, [RowStep(0, small, greedy), RowStep(1, small, greedy)], verifier=failing)
+    assert cache.lengths.tolist() == [3, 6]
+    results = verify_rows(model, cache, [RowStep(1, small, greedy)])
+    assert cache.lengths.tolist() == [3, 6 + len(results[0].accepted)]

@@ -1,0 +1,255 @@
+"""Embedding: ``async with treeserve.Server(ServerConfig(...)) as server`` runs the whole actor
+system inside the caller's running event loop (asyncio or uvloop).
+
+Placement: the verifier shards (one per tensor-parallel rank, supervised together
+``one_for_all`` because a TP group cannot survive the loss of one rank) and the speculator
+actors (supervised ``one_for_one``) run in child processes that die with this one. The
+scheduler and the public gateway are light I/O actors and run in this process.
+``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treeserve.runtime import (
+    ActorRef,
+    RestartStrategy,
+    Runtime,
+    RuntimeConfig,
+    SupervisorConfig,
+)
+
+DEFAULT_SPECULATORS: tuple[Mapping[str, Any], ...] = (
+    {"kind": "ngram", "max_ngram": 3, "num_draft_tokens": 8},
+    {"kind": "self", "layers": 4, "expansion": [1, 1, 3, 1, 1, 1, 1, 1]},
+)
+"""Model-free n-gram drafting merged with a self-drafter (the verifier's first 4 layers)."""
+
+SCHEDULER_POLICIES = ("fcfs", "ssjf", "hrrn", "sjf-oracle")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything an embedded server needs; validated on construction, no I/O.
+
+    ``model``: registry name, ``.gguf`` path or HF folder. ``bind``: the public gateway
+    endpoint (loopback by default; ``tcp://127.0.0.1:0`` picks a free port). ``tp``: tensor
+    parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
+    ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
+    ``speculators``: the speculator kinds every speculator actor runs (see
+    ``treeserve.actors.speculator``); empty disables speculation. ``num_speculator_actors``:
+    one per device (on CPU: one per process).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    cache_dir: str | None = None
+    bind: str = "tcp://127.0.0.1:5555"
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp: int = 1
+    num_rows: int = 8
+    row_capacity: int = 2048
+    scheduler: str = "fcfs"
+    max_wait_s: float = 30.0
+    max_tree_nodes: int = 64
+    speculators: tuple[Mapping[str, Any], ...] = DEFAULT_SPECULATORS
+    num_speculator_actors: int = 1
+    max_concurrent_streams: int = 256
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
+    heartbeat_interval_s: float = 0.5
+    start_timeout_s: float = 300.0
+    step_timeout_s: float = 300.0
+    allow_public_bind: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
+        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.num_speculator_actors < 0:
+            raise ValueError(f"num_speculator_actors must be >= 0, got {self.num_speculator_actors}")
+        if self.row_capacity <= self.max_tree_nodes:
+            raise ValueError(f"row_capacity ({self.row_capacity}) must exceed max_tree_nodes ({self.max_tree_nodes})")
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// endpoint, got {self.bind!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def prepare_model(config: ServerConfig, progress: Callable[[Any], None] | None = None) -> Any:
+    """Pull/convert the model once in this process (so child processes never race on the cache)
+    and return its tokenizer."""
+    from treeserve.models import REGISTRY, convert_gguf, converted_dir_for, pull
+    from treeserve.ops.tokenizer import Tokenizer
+
+    path = Path(config.model).expanduser()
+    if config.model in REGISTRY:
+        path = pull(config.model, config.cache_dir, progress=progress)
+    if path.is_file() and path.suffix == ".gguf":
+        folder = converted_dir_for(path, config.cache_dir)
+        if not (folder / "treeserve-config.json").exists():
+            convert_gguf(path, folder, progress=progress)
+        return Tokenizer.from_folder(folder)
+    if path.is_dir():
+        return Tokenizer.from_folder(path)
+    raise FileNotFoundError(f"model {config.model!r} is neither a known model name, a .gguf file nor a folder")
+
+
+class Server:
+    """The whole treeserve actor system, embedded in the caller's running loop.
+
+    ``async with Server(config) as server:`` starts it (model pull/convert, child processes,
+    scheduler, gateway) and ``server.endpoint`` is ready for clients; leaving the block (or
+    ``await server.aclose()``, idempotent and bounded) stops everything. The library never
+    creates or replaces the event loop.
+    """
+
+    def __init__(self, config: ServerConfig | None = None, *, progress: Callable[[Any], None] | None = None) -> None:
+        self.config = config or ServerConfig()
+        self._progress = progress
+        self._runtime: Runtime | None = None
+        self._gateway: Any = None
+        self.scheduler: ActorRef | None = None
+        self.verifiers: list[ActorRef] = []
+        self.speculators: list[ActorRef] = []
+        self.model_info: dict[str, Any] = {}
+        self.verifier_supervisor: Any = None
+        self.speculator_supervisor: Any = None
+        self._closed = False
+
+    async def __aenter__(self) -> Server:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def endpoint(self) -> str:
+        """The gateway's public endpoint (the real port after a ``:0`` bind)."""
+        if self._gateway is None:
+            raise RuntimeError("the server is not started")
+        return str(self._gateway.endpoint)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The head process's actor runtime."""
+        if self._runtime is None:
+            raise RuntimeError("the server is not started")
+        return self._runtime
+
+    def _report(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)
+
+    async def start(self) -> None:
+        from treeserve.actors.gateway import GatewayActor
+        from treeserve.actors.gateway_config import GatewayConfig
+        from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
+        from treeserve.actors.speculator import SpeculatorActor
+        from treeserve.actors.verifier import VerifierShard
+
+        cfg = self.config
+        tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
+        supervisor_config = SupervisorConfig(
+            max_restarts=cfg.max_restarts,
+            within_s=cfg.restart_window_s,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            start_timeout_s=cfg.start_timeout_s,
+        )
+        self._runtime = Runtime(RuntimeConfig(
+            supervisor=supervisor_config, heartbeat_interval_s=cfg.heartbeat_interval_s, close_timeout_s=15.0
+        ))
+        await self._runtime.start()
+        rt = self._runtime
+
+        self._report(f"starting {cfg.tp} verifier shard(s)")
+        verifier_sup = self.verifier_supervisor = rt.supervisor(
+            SupervisorConfig(
+                strategy=RestartStrategy.ONE_FOR_ALL,
+                max_restarts=cfg.max_restarts,
+                within_s=cfg.restart_window_s,
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                start_timeout_s=cfg.start_timeout_s,
+            ),
+            name="verifier-supervisor",
+        )
+        dist_init = f"tcp://127.0.0.1:{_free_port()}" if cfg.tp > 1 else None
+        shard_configs = [
+            {
+                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
+                "tp_rank": rank, "tp_size": cfg.tp, "dist_init": dist_init,
+                "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
+            }
+            for rank in range(cfg.tp)
+        ]
+        self.verifiers = list(await asyncio.gather(*(
+            rt.spawn(VerifierShard, shard, name=f"verifier-{shard['tp_rank']}", process="child", supervisor=verifier_sup)
+            for shard in shard_configs
+        )))
+        self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
+
+        if cfg.speculators and cfg.num_speculator_actors:
+            self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
+            spec_sup = self.speculator_supervisor = rt.supervisor(supervisor_config, name="speculator-supervisor")
+            spec_config = {
+                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
+                "speculators": [dict(s) for s in cfg.speculators], "capacity": cfg.row_capacity,
+            }
+            self.speculators = list(await asyncio.gather(*(
+                rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
+                for i in range(cfg.num_speculator_actors)
+            )))
+
+        scheduler_config = SchedulerConfig(
+            num_rows=cfg.num_rows,
+            row_capacity=cfg.row_capacity,
+            vocab_size=int(self.model_info["vocab_size"]),
+            policy=cfg.scheduler,
+            max_wait_s=cfg.max_wait_s,
+            max_tree_nodes=cfg.max_tree_nodes,
+            step_timeout_s=cfg.step_timeout_s,
+        )
+        self.scheduler = await rt.spawn(
+            SchedulerActor, scheduler_config, self.verifiers, self.speculators, name="scheduler"
+        )
+        gateway_config = GatewayConfig(
+            bind=cfg.bind,
+            model_name=cfg.model,
+            context_length=cfg.row_capacity - cfg.max_tree_nodes,
+            vocab_size=int(self.model_info["vocab_size"]),
+            max_concurrent_streams=cfg.max_concurrent_streams,
+            allow_public_bind=cfg.allow_public_bind,
+        )
+        gateway = GatewayActor(gateway_config, tokenizer, self.scheduler)
+        await rt.node.host("gateway", gateway)
+        self._gateway = gateway
+        self._report(f"serving on {self.endpoint}")
+
+    async def aclose(self) -> None:
+        """Stop every actor and child process; safe to call twice, bounded by the runtime's timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._runtime is not None:
+            await self._runtime.aclose()
