@@ -14,17 +14,22 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
 ``max_seq_len``). ``num_threads`` sets torch's intra-op threads of the (child) process. Handlers:
 
 * ``start {"request_id", "prompt_ids"}`` -> None: fresh per-request state (one instance per kind).
-* ``propose {"requests": [{"request_id", "new_tokens", "max_depth", "params", "history"?}]}`` ->
-  ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees in request order. Each
-  request first advances by ``new_tokens`` (emitted since its last propose: accepted drafts then
-  the bonus token; empty on the first call), then every speculator proposes a tree rooted at the
-  request's last token with nodes at most ``max_depth`` deep; the trees are trie-merged in
-  config order. Recovery: a request without state (the actor restarted, or ``start`` was lost)
-  never fails the batch. If the entry carries ``"history"`` (prompt + every emitted token, i.e.
-  the full sequence ending with the current root, AFTER ``new_tokens``) the state is rebuilt from
-  it and drafting proceeds normally; otherwise the entry's tree is root-only (rooted at
-  ``new_tokens[-1]``; None when ``new_tokens`` is empty, the root being unknown) and its id is
-  listed in ``missing`` so the caller sends ``history`` next time.
+* ``propose {"requests": [{"request_id", "new_tokens", "max_depth", "params", "max_nodes"?,
+  "history"?}]}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees
+  in request order. Each request first advances by ``new_tokens`` (emitted since its last
+  propose: accepted drafts then the bonus token; empty on the first call), then every
+  speculator proposes a tree rooted at the request's last token with nodes at most
+  ``max_depth`` deep; the trees are trie-merged in config order and, with ``max_nodes`` (>= 1,
+  e.g. the verifier row's free slots), cut to their first ``max_nodes`` nodes (ancestor-closed,
+  since parents precede children).
+  Recovery: a request without state (the actor restarted, or ``start`` was lost) never fails
+  the batch. If the entry carries ``"history"`` (prompt + every emitted token: the full
+  sequence ending with the current root, i.e. already including ``new_tokens``) the state is
+  rebuilt from it and drafting proceeds normally; the same happens when a state exists but its
+  length plus ``new_tokens`` does not match the history (an earlier propose was lost).
+  Otherwise the entry's tree is root-only (rooted at ``new_tokens[-1]``; None when
+  ``new_tokens`` is empty, the root being unknown) and its id is listed in ``missing``, so the
+  caller sends ``history`` next time.
 * ``release {"request_id"}`` -> None (idempotent).
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a
@@ -174,7 +179,7 @@ class SpeculatorActor(Actor):
         self._model = model
         for spec in cfg.speculators:
             if spec.kind == "self":
-                self._drafters.append(model.truncated(min(int(spec.options["layers"]), model.config.num_layers)))
+                self._drafters.append(model.truncated(int(spec.options["layers"])))  # ValueError if too many
             elif spec.kind == "model":
                 other = load_model(spec.options["model"], dtype=dtype, cache_dir=cfg.cache_dir).model.to(cfg.device)
                 if other.config.vocab_size != model.config.vocab_size:
@@ -207,14 +212,16 @@ class SpeculatorActor(Actor):
         vocab = self._vocab_size()
         parsed = []
         for entry in entries:
-            entry = _body(entry, ("request_id", "new_tokens", "max_depth", "params"), ("history",))
+            entry = _body(entry, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes"))
             history = entry.get("history")
+            max_nodes = entry.get("max_nodes")
             parsed.append((
                 _request_id(entry["request_id"]),
                 _token_list(entry["new_tokens"], "new_tokens", vocab),
                 _int(entry["max_depth"], "max_depth"),
                 params_from_wire(entry["params"]),
                 None if history is None else _token_list(history, "history", vocab),
+                None if max_nodes is None else _int(max_nodes, "max_nodes", minimum=1),
             ))
         trees, missing = await self._offload.run(self._propose_all, parsed)
         return {"trees": [None if t is None else tree_to_wire(t) for t in trees], "missing": missing}
@@ -245,14 +252,17 @@ class SpeculatorActor(Actor):
         self._states[request_id] = _RequestState(speculators, tokens[-1], history_len=len(tokens))
 
     def _propose_all(
-        self, requests: Sequence[tuple[str, list[int], int, SamplingParams, list[int] | None]]
+        self, requests: Sequence[tuple[str, list[int], int, SamplingParams, list[int] | None, int | None]]
     ) -> tuple[list[TokenTree | None], list[str]]:
         trees: list[TokenTree | None] = []
         missing: list[str] = []
-        for request_id, new_tokens, max_depth, params, history in requests:
+        for request_id, new_tokens, max_depth, params, history, max_nodes in requests:
             state = self._states.get(request_id)
-            if state is None and history:
-                self._start(request_id, history)  # history already ends with the current root
+            is_in_step = state is not None and state.history_len + len(new_tokens) == len(history or ())
+            if history and not is_in_step:
+                # Lost, or out of step (e.g. an earlier propose never arrived): rebuild. The
+                # history already ends with the current root, so new_tokens are not applied.
+                self._start(request_id, history)
                 state = self._states[request_id]
             elif state is None:
                 missing.append(request_id)
@@ -263,7 +273,10 @@ class SpeculatorActor(Actor):
                     speculator.accept(new_tokens)
                 state.last_token = new_tokens[-1]
                 state.history_len += len(new_tokens)
-            trees.append(self._draft(state, params, max_depth))
+            tree = self._draft(state, params, max_depth)
+            if max_nodes is not None and tree.num_nodes > max_nodes:
+                tree = tree.restricted(torch.arange(tree.num_nodes) < max_nodes)
+            trees.append(tree)
         return trees, missing
 
     def _draft(self, state: _RequestState, params: SamplingParams, max_depth: int) -> TokenTree:

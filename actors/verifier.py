@@ -244,7 +244,7 @@ class VerifierShard(Actor):
     async def _ready(self) -> tuple[Transformer, KVCache]:
         if self._setup is None:
             raise RuntimeError("VerifierShard is not started")
-        await self._setup
+        await asyncio.shield(self._setup)  # a cancelled caller must not cancel the setup itself
         assert self._model is not None and self._cache is not None
         return self._model, self._cache
 

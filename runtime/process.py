@@ -48,7 +48,8 @@ class ChildLaunch:
     its heartbeats) and ``bind`` endpoint, the parent's endpoint and pid, and the
     heartbeat interval. ``args`` holds the constructor arguments as one encoded wire
     frame (see ``encode_args``), so refs can be passed to a child actor.
-    ``use_pdeathsig=False`` leaves only the death pipe (tests)."""
+    ``use_pdeathsig=False`` leaves only the death pipe (tests). ``allow_public_bind``
+    lets the child bind a non-loopback ``bind`` address (nodes of a cluster)."""
 
     actor: str
     name: str
@@ -59,6 +60,7 @@ class ChildLaunch:
     heartbeat_interval_s: float
     args: bytes = b""
     use_pdeathsig: bool = True
+    allow_public_bind: bool = False
 
     def __post_init__(self) -> None:
         module, sep, qualname = self.actor.partition(":")
@@ -79,6 +81,7 @@ class ChildLaunch:
                     "parent_pid": self.parent_pid,
                     "heartbeat_interval_s": self.heartbeat_interval_s,
                     "use_pdeathsig": self.use_pdeathsig,
+                    "allow_public_bind": self.allow_public_bind,
                 },
                 use_bin_type=True,
             )

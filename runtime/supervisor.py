@@ -202,6 +202,7 @@ class Supervisor:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             args=encode_args(list(spec.args)),
             use_pdeathsig=spec.use_pdeathsig,
+            allow_public_bind=self._runtime.config.allow_public_bind,
         ))
         try:
             async with asyncio.timeout(self.config.start_timeout_s):

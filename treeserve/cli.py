@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-rows", type=int, default=16, help="concurrent requests (KV-cache rows)")
     serve.add_argument("--row-capacity", type=int, default=2048, help="tokens per KV-cache row")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
+    serve.add_argument("--nodes", type=int, default=0, help="wait for this many `treeserve node` hosts to join")
+    serve.add_argument("--cluster-bind", default="tcp://127.0.0.1:5556", help="endpoint nodes join")
+
+    node = sub.add_parser("node", help="offer this host's devices to a head server")
+    node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
+    node.add_argument("--advertise-host", default="127.0.0.1", help="address of this host that the head can reach")
+    node.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --advertise-host")
+    node.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1 (default: detect)")
     return parser
 
 
@@ -176,6 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         row_capacity=args.row_capacity,
         speculators=_speculators_from_flags(args.speculator, expansion),
         allow_public_bind=args.allow_public_bind,
+        num_nodes=args.nodes,
+        cluster_bind=args.cluster_bind,
     )
 
     async def serve() -> None:
@@ -190,6 +200,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     uvloop.run(serve())
     return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import signal
+
+    import uvloop
+
+    from treeserve.runtime.cluster import JoinError, join
+    from treeserve.runtime.cluster_config import NodeConfig, NodeExit
+
+    try:
+        devices = None if args.devices is None else tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        config = NodeConfig(advertise_host=args.advertise_host, allow_public_bind=args.allow_public_bind, devices=devices)
+    except (TypeError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        joined = asyncio.ensure_future(
+            join(args.join, node_config=config, on_ready=lambda agent: _progress(f"joined {args.join} as {agent.endpoint}"))
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({joined, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not joined.done():
+                joined.cancel()
+                try:
+                    await joined
+                except asyncio.CancelledError:
+                    pass
+                return 0
+        try:
+            outcome = joined.result()
+        except JoinError as exc:
+            raise UserError(str(exc)) from None
+        _progress(f"node exits: {outcome.value}")
+        return 3 if outcome is NodeExit.DROPPED_BY_HEAD else 0
+
+    return int(uvloop.run(run()))
 
 
 async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, ...], dtype: str) -> dict[str, Any]:
@@ -245,6 +299,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise UserError("the prompt is empty")
         expansion = _parse_expansion(args.expansion)
+        from treeserve.ops.sampling import SamplingParams
+
+        try:  # fail fast on bad values, before any process starts
+            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           max_new_tokens=args.max_tokens)
+        except ValueError as exc:
+            raise UserError(str(exc).replace("max_new_tokens", "--max-tokens")) from None
         try:
             out = uvloop.run(_generate_via_server(args, expansion, args.dtype))
         except Exception as exc:
@@ -338,7 +399,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve}
+COMMANDS = {"pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,10 @@ class ServerConfig:
     ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
     ``speculators``: the speculator kinds every speculator actor runs (see
     ``treeserve.actors.speculator``); empty disables speculation. ``num_speculator_actors``:
-    one per device (on CPU: one per process).
+    one per device (on CPU: one per process). ``num_nodes``: other hosts that join with
+    ``treeserve node --join <cluster_bind>``; the server waits for them, then places
+    tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
+    gateway stay on this head). ``cluster_bind`` is the head runtime's endpoint for nodes.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -67,7 +70,9 @@ class ServerConfig:
     start_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
     allow_public_bind: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    num_nodes: int = 0
+    cluster_bind: str = "tcp://127.0.0.1:5556"
+    node_wait_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -78,6 +83,10 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.num_nodes < 0:
+            raise ValueError(f"num_nodes must be >= 0, got {self.num_nodes}")
+        if self.num_nodes and not self.cluster_bind.startswith("tcp://"):
+            raise ValueError(f"cluster_bind must be a tcp:// endpoint, got {self.cluster_bind!r}")
         if self.num_speculator_actors < 0:
             raise ValueError(f"num_speculator_actors must be >= 0, got {self.num_speculator_actors}")
         if self.row_capacity <= self.max_tree_nodes:
@@ -167,7 +176,6 @@ class Server:
         from treeserve.actors.gateway_config import GatewayConfig
         from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
         from treeserve.actors.speculator import SpeculatorActor
-        from treeserve.actors.verifier import VerifierShard
 
         cfg = self.config
         tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
@@ -177,11 +185,21 @@ class Server:
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             start_timeout_s=cfg.start_timeout_s,
         )
+        cluster = cfg.num_nodes > 0
         self._runtime = Runtime(RuntimeConfig(
-            supervisor=supervisor_config, heartbeat_interval_s=cfg.heartbeat_interval_s, close_timeout_s=15.0
+            bind=cfg.cluster_bind if cluster else None,
+            allow_public_bind=cfg.allow_public_bind,
+            supervisor=supervisor_config, heartbeat_interval_s=cfg.heartbeat_interval_s, close_timeout_s=15.0,
         ))
         await self._runtime.start()
         rt = self._runtime
+        agents: list[ActorRef] = []
+        if cluster:
+            from treeserve.runtime.cluster import start_registry
+
+            registry = await start_registry(rt)
+            self._report(f"waiting for {cfg.num_nodes} node(s): run `treeserve node --join {rt.endpoint}`")
+            agents = await registry.wait_for_nodes(cfg.num_nodes, cfg.node_wait_timeout_s)
 
         self._report(f"starting {cfg.tp} verifier shard(s)")
         verifier_sup = self.verifier_supervisor = rt.supervisor(
@@ -194,7 +212,10 @@ class Server:
             ),
             name="verifier-supervisor",
         )
-        dist_init = f"tcp://127.0.0.1:{_free_port()}" if cfg.tp > 1 else None
+        dist_init = None
+        if cfg.tp > 1:
+            host = cfg.cluster_bind.split("://", 1)[1].rsplit(":", 1)[0] if cluster else "127.0.0.1"
+            dist_init = f"tcp://{host}:{_free_port()}"
         shard_configs = [
             {
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
@@ -204,8 +225,7 @@ class Server:
             for rank in range(cfg.tp)
         ]
         self.verifiers = list(await asyncio.gather(*(
-            rt.spawn(VerifierShard, shard, name=f"verifier-{shard['tp_rank']}", process="child", supervisor=verifier_sup)
-            for shard in shard_configs
+            self._spawn_shard(shard, verifier_sup, agents) for shard in shard_configs
         )))
         self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
 
@@ -216,10 +236,19 @@ class Server:
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
                 "speculators": [dict(s) for s in cfg.speculators], "capacity": cfg.row_capacity,
             }
-            self.speculators = list(await asyncio.gather(*(
-                rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
-                for i in range(cfg.num_speculator_actors)
-            )))
+            if agents:
+                from treeserve.runtime.cluster import spawn_on
+
+                self.speculators = list(await asyncio.gather(*(
+                    spawn_on(agents[i % len(agents)], SpeculatorActor, f"speculator-{i}", [spec_config],
+                             timeout=cfg.start_timeout_s + 30)
+                    for i in range(cfg.num_speculator_actors)
+                )))
+            else:
+                self.speculators = list(await asyncio.gather(*(
+                    rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
+                    for i in range(cfg.num_speculator_actors)
+                )))
 
         scheduler_config = SchedulerConfig(
             num_rows=cfg.num_rows,
@@ -245,6 +274,21 @@ class Server:
         await rt.node.host("gateway", gateway)
         self._gateway = gateway
         self._report(f"serving on {self.endpoint}")
+
+    async def _spawn_shard(self, shard: dict[str, Any], supervisor: Any, agents: list[ActorRef]) -> ActorRef:
+        """Rank 0 (and every rank without nodes) runs as a child here; other ranks on nodes."""
+        from treeserve.actors.verifier import VerifierShard
+
+        rank = int(shard["tp_rank"])
+        name = f"verifier-{rank}"
+        if rank == 0 or not agents:
+            return await self.runtime.spawn(VerifierShard, shard, name=name, process="child", supervisor=supervisor)
+        from treeserve.runtime.cluster import spawn_on
+
+        return await spawn_on(
+            agents[(rank - 1) % len(agents)], VerifierShard, name, [shard],
+            group="verifier", strategy="one_for_all", timeout=self.config.start_timeout_s + 30,
+        )
 
     async def aclose(self) -> None:
         """Stop every actor and child process; safe to call twice, bounded by the runtime's timeout."""

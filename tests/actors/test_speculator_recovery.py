@@ -76,6 +76,17 @@ async def test_lost_state_gives_root_only_tree_then_history_rebuilds_it(tmp_path
         # The rebuilt state is kept: the next propose advances it like any other request.
         nxt = await spec.ask("propose", {"requests": [entry("a", [14]), entry("fresh", [14])]})
         assert nxt["missing"] == [] and nxt["trees"][0] == nxt["trees"][1]
+        full = tree_from_wire(nxt["trees"][0])
+        assert full.num_nodes > 2
+        # max_nodes cuts the tree to its first nodes (the verifier row's free room).
+        cut = await spec.ask("propose", {"requests": [entry("fresh", [], max_nodes=2)]})
+        small = tree_from_wire(cut["trees"][0])
+        assert small.tokens.tolist() == full.tokens.tolist()[:2] and small.parents.tolist() == full.parents.tolist()[:2]
+        # Out of step (an earlier propose carrying [15] never arrived): the history wins.
+        resync = await spec.ask("propose", {"requests": [entry("a", [16], history=history + [14, 15, 16])]})
+        await spec.ask("start", {"request_id": "fresh2", "prompt_ids": history + [14, 15, 16]})
+        fresh2 = await spec.ask("propose", {"requests": [entry("fresh2", [])]})
+        assert resync["missing"] == [] and resync["trees"] == fresh2["trees"]
         await spec.ask("release", {"request_id": "a"})
         again = await spec.ask("propose", {"requests": [entry("a", [15])]})
         assert again["missing"] == ["a"]

@@ -203,3 +203,24 @@ def test_verify_rows_rejects_bad_input_without_moving_any_row(tiny_model_factory
     assert cache.lengths.tolist() == [3, 6]
     results = verify_rows(model, cache, [RowStep(1, small, greedy)])
     assert cache.lengths.tolist() == [3, 6 + len(results[0].accepted)]
+
+
+def test_idle_row_without_room_splits_the_batch_instead_of_failing(tiny_model_factory) -> None:
+    model = tiny_model_factory(seed=2)
+    cache = model.new_cache(3, 8)
+    for row, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]):
+        prefill_row(model, cache, row, prompt)
+    trees = {0: TokenTree.from_parents([-1, 0, 0], [4, 5, 6]), 2: TokenTree.chain(14, [15, 16])}
+    greedy = SamplingParams()
+    # Idle row 1 (7 of 8 slots used) cannot take the 3 padded tokens of a shared forward.
+    results = verify_rows(model, cache, [RowStep(r, t, greedy) for r, t in trees.items()])
+    assert cache.lengths[1] == 7
+    for (row, tree), result in zip(trees.items(), results):
+        alone = model.new_cache(1, 8)
+        prefill_row(model, alone, 0, [[1, 2, 3], None, [11, 12, 13]][row])
+        [expected] = verify_rows(model, alone, [RowStep(0, tree, greedy)])
+        assert (result.accepted, result.bonus_token) == (expected.accepted, expected.bonus_token)
+        assert int(cache.lengths[row]) == 3 + len(result.accepted)
+        for layer in range(model.config.num_layers):
+            n = int(alone.lengths[0])
+            assert torch.allclose(cache.keys[layer][row, :, :n], alone.keys[layer][0, :, :n], atol=1e-6)

@@ -1,0 +1,164 @@
+"""Serving benchmark: the whole actor system (gateway, scheduler, speculator and verifier
+child processes) on the default model, measured side by side in one run.
+
+Measures, with greedy decoding:
+
+* batch 1: tokens/s, mean tokens per verify step and time to first token for
+  ``--speculate none``, ``chain`` and ``tree`` (the modes rotate per prompt, so a noisy
+  machine hurts them alike; medians over prompts);
+* total tokens/s and median TTFT with 1, 4 and 16 concurrent clients (tree speculation and
+  no speculation).
+
+Usage::
+
+    python bench/serving.py --json                       # built-in prompts
+    python bench/serving.py --dataset mtbench --limit 8  # after python bench/data/fetch.py mtbench
+
+Progress goes to stderr; ``--json`` prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from treeserve.client import Client
+from treeserve.server import Server, ServerConfig
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+    "List three tips for staying productive when working from home.",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give me a short recipe for pancakes.",
+]
+
+
+def _log(message: str) -> None:
+    print(f"[bench/serving] {message}", file=sys.stderr, flush=True)
+
+
+def load_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts:
+        prompts = [line for line in Path(args.prompts).read_text(encoding="utf-8").split("\n") if line.strip()]
+    elif args.dataset:
+        path = Path(__file__).parent / "data" / f"{args.dataset}.jsonl"
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: run python bench/data/fetch.py {args.dataset}")
+        prompts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    else:
+        prompts = list(BUILTIN_PROMPTS)
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+async def run_one(client: Client, prompt: str, speculate: str, max_tokens: int) -> dict[str, float]:
+    started = time.perf_counter()
+    completion = await client.generate([{"role": "user", "content": prompt}], speculate=speculate, max_tokens=max_tokens)
+    elapsed = time.perf_counter() - started
+    return {
+        "num_tokens": len(completion.token_ids),
+        "seconds": elapsed,
+        "tokens_per_s": len(completion.token_ids) / elapsed,
+        "mean_accepted_per_step": completion.mean_accepted_per_step,
+        "ttft_s": completion.client_ttft_s,
+    }
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = load_prompts(args)
+    modes = ["none", "chain", "tree"]
+    with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as tmp:
+        config = ServerConfig(
+            model=args.model, dtype=args.dtype, bind=f"ipc://{tmp}/gw.sock", num_rows=16,
+            row_capacity=args.row_capacity, scheduler="fcfs",
+        )
+        async with Server(config, progress=_log) as server, Client(server.endpoint) as client:
+            _log("warm-up")
+            for mode in modes:
+                await run_one(client, "Hello!", mode, 8)
+            batch1: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for i, prompt in enumerate(prompts):
+                order = modes[i % 3:] + modes[: i % 3]
+                for mode in order:
+                    batch1[mode].append(await run_one(client, prompt, mode, args.max_tokens))
+                _log(f"batch-1 prompt {i + 1}/{len(prompts)}: " + ", ".join(
+                    f"{m} {batch1[m][-1]['tokens_per_s']:.1f} tok/s" for m in modes))
+            result: dict[str, Any] = {"config": {
+                "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
+                "speculators": [dict(s) for s in config.speculators],
+            }, "batch1": {}, "concurrency": {}}
+            base = _median([r["tokens_per_s"] for r in batch1["none"]])
+            for mode in modes:
+                tps = _median([r["tokens_per_s"] for r in batch1[mode]])
+                result["batch1"][mode] = {
+                    "tokens_per_s": tps,
+                    "mean_accepted_per_step": _median([r["mean_accepted_per_step"] for r in batch1[mode]]),
+                    "ttft_s": _median([r["ttft_s"] for r in batch1[mode]]),
+                    "ratio_to_none": tps / base if base else 0.0,
+                }
+            for speculate in ("none", "tree"):
+                for num_clients in (1, 4, 16):
+                    jobs = [prompts[i % len(prompts)] for i in range(max(num_clients, len(prompts)))]
+                    started = time.perf_counter()
+                    queue: asyncio.Queue[str] = asyncio.Queue()
+                    for job in jobs:
+                        queue.put_nowait(job)
+                    runs: list[dict[str, float]] = []
+
+                    async def worker() -> None:
+                        async with Client(server.endpoint) as own:
+                            while not queue.empty():
+                                runs.append(await run_one(own, queue.get_nowait(), speculate, args.max_tokens))
+
+                    await asyncio.gather(*(worker() for _ in range(num_clients)))
+                    wall = time.perf_counter() - started
+                    key = f"{speculate}@{num_clients}"
+                    result["concurrency"][key] = {
+                        "total_tokens_per_s": sum(r["num_tokens"] for r in runs) / wall,
+                        "median_ttft_s": _median([r["ttft_s"] for r in runs]),
+                        "num_requests": len(runs),
+                    }
+                    _log(f"{key}: {result['concurrency'][key]['total_tokens_per_s']:.1f} tok/s total")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dataset", default=None, help="a set fetched by bench/data/fetch.py (e.g. mtbench)")
+    parser.add_argument("--prompts", default=None, help="a file with one prompt per line")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--row-capacity", type=int, default=1024)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = uvloop.run(bench(args))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for mode, row in result["batch1"].items():
+            print(f"batch1 {mode:6s} {row['tokens_per_s']:7.1f} tok/s  x{row['ratio_to_none']:.2f}  "
+                  f"{row['mean_accepted_per_step']:.2f} tok/step  ttft {row['ttft_s']:.2f} s")
+        for key, row in result["concurrency"].items():
+            print(f"{key:9s} {row['total_tokens_per_s']:7.1f} tok/s total  ttft {row['median_ttft_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
