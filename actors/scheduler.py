@@ -157,6 +157,7 @@ class SchedulerActor(Actor):
         self._ids = itertools.count()
         self._counters = {"num_steps": 0, "num_completed": 0, "num_cancelled": 0, "num_failed": 0,
                           "num_speculator_failures": 0, "num_verifier_failures": 0}
+        self._timers = {"propose_s": 0.0, "verify_s": 0.0}  # wall time spent in each phase of the steps
 
     async def on_start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="scheduler-step-loop")
@@ -203,6 +204,7 @@ class SchedulerActor(Actor):
     async def stats(self) -> dict[str, Any]:
         return {
             **self._counters,
+            **self._timers,
             "num_queued": len(self._policy),
             "num_running": len(self._running),
             "num_free_rows": len(self._free_rows),
@@ -267,7 +269,8 @@ class SchedulerActor(Actor):
                 if req is None or req.is_cancelled:
                     self._requests.pop(queued.request_id, None)
                     continue
-                req.row = self._free_rows.pop()
+                self._free_rows.sort(reverse=True)
+                req.row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
                 req.admitted_s = self.clock()
                 self._running[req.request_id] = req
                 try:
@@ -293,7 +296,9 @@ class SchedulerActor(Actor):
         batch = [r for r in self._running.values() if not r.is_cancelled]
         if not batch:
             return
+        started = time.perf_counter()
         trees = await self._propose(batch)
+        proposed = time.perf_counter()
         rows = [
             {"row": req.row, "tree": tree_to_wire(tree), "params": params_to_wire(req.params), "request_id": req.request_id}
             for req, tree in zip(batch, trees)
@@ -304,6 +309,8 @@ class SchedulerActor(Actor):
             self._on_verifier_failure(exc)
             return
         self._counters["num_steps"] += 1
+        self._timers["propose_s"] += proposed - started
+        self._timers["verify_s"] += time.perf_counter() - proposed
         now = self.clock()
         for req, result in zip(batch, reply["rows"]):
             if result["row"] != req.row:
@@ -332,6 +339,9 @@ class SchedulerActor(Actor):
                         "new_tokens": list(req.since_propose),
                         "max_depth": req.params.max_new_tokens - len(req.emitted) - 1,
                         "params": params_to_wire(req.params),
+                        # A fixed per-speculator share of the tree budget, so the merged tree
+                        # never needs a size cut that would depend on the draws.
+                        "max_nodes": 1 + (self.config.max_tree_nodes - 1) // len(self.speculators),
                     }
                     if index in req.needs_history:
                         entry["history"] = req.prompt_ids + req.emitted
@@ -362,11 +372,14 @@ class SchedulerActor(Actor):
         return trees
 
     def _fit(self, tree: TokenTree, req: _Request) -> TokenTree:
-        import torch
-
+        """Trim to the tokens still allowed (depth only: a depth cut does not depend on the draws)."""
         max_depth = req.params.max_new_tokens - len(req.emitted) - 1
-        keep = (tree.depths() <= max_depth) & (torch.arange(tree.num_nodes) < self.config.max_tree_nodes)
-        return tree if bool(keep.all()) else tree.restricted(keep)
+        keep = tree.depths() <= max_depth
+        if not bool(keep.all()):
+            tree = tree.restricted(keep)
+        if tree.num_nodes > self.config.max_tree_nodes:  # the per-speculator shares prevent this
+            raise RuntimeError(f"merged token tree of {tree.num_nodes} nodes exceeds max_tree_nodes")
+        return tree
 
     # ------------------------------------------------------------------ completion and faults
     async def _finish(self, req: _Request, finish: FinishReason) -> None:

@@ -19,9 +19,10 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
   in request order. Each request first advances by ``new_tokens`` (emitted since its last
   propose: accepted drafts then the bonus token; empty on the first call), then every
   speculator proposes a tree rooted at the request's last token with nodes at most
-  ``max_depth`` deep; the trees are trie-merged in config order and, with ``max_nodes`` (>= 1,
-  e.g. the verifier row's free slots), cut to their first ``max_nodes`` nodes (ancestor-closed,
-  since parents precede children).
+  ``max_depth`` deep; the trees are trie-merged in config order. With ``max_nodes`` (>= 1) the
+  merged tree has at most ``max_nodes`` nodes: each speculator gets an equal share of the budget
+  and sizes its expansion from worst-case counts before drawing (never a cut after drawing,
+  which would bias multi-step speculative sampling).
   Recovery: a request without state (the actor restarted, or ``start`` was lost) never fails
   the batch. If the entry carries ``"history"`` (prompt + every emitted token: the full
   sequence ending with the current root, i.e. already including ``new_tokens``) the state is
@@ -273,13 +274,10 @@ class SpeculatorActor(Actor):
                     speculator.accept(new_tokens)
                 state.last_token = new_tokens[-1]
                 state.history_len += len(new_tokens)
-            tree = self._draft(state, params, max_depth)
-            if max_nodes is not None and tree.num_nodes > max_nodes:
-                tree = tree.restricted(torch.arange(tree.num_nodes) < max_nodes)
-            trees.append(tree)
+            trees.append(self._draft(state, params, max_depth, max_nodes))
         return trees, missing
 
-    def _draft(self, state: _RequestState, params: SamplingParams, max_depth: int) -> TokenTree:
+    def _draft(self, state: _RequestState, params: SamplingParams, max_depth: int, max_nodes: int | None) -> TokenTree:
         if state.generator is None and not params.is_greedy:
             state.generator = torch.Generator()
             if params.seed is None:
@@ -289,7 +287,11 @@ class SpeculatorActor(Actor):
         if max_depth < 1 or not state.speculators:
             # ModelSpeculators stay in step anyway: their next propose feeds the uncached tokens.
             return TokenTree.from_parents([-1], [state.last_token])
-        trees = [s.propose(params, state.generator, max_depth=max_depth) for s in state.speculators]
+        # The node budget is split between the speculators BEFORE drafting: each limits its tree
+        # from worst-case sizes, never by cutting a drawn tree (a cut that depends on the draws
+        # biases multi-step speculative sampling). The merged trie has at most 1 + sum(share - 1).
+        share = None if max_nodes is None else 1 + (max_nodes - 1) // len(state.speculators)
+        trees = [s.propose(params, state.generator, max_depth=max_depth, max_nodes=share) for s in state.speculators]
         tree = merge_trees(trees)
         if tree.root_token != state.last_token:
             raise RuntimeError(f"a speculator drafted from token {tree.root_token}, expected {state.last_token}")

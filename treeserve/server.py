@@ -11,6 +11,7 @@ scheduler and the public gateway are light I/O actors and run in this process.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class ServerConfig:
     ``treeserve node --join <cluster_bind>``; the server waits for them, then places
     tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
     gateway stay on this head). ``cluster_bind`` is the head runtime's endpoint for nodes.
+    ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
+    host's cores divided by the shards on it). Processes that share cores must not each use
+    them all: oversubscribed OpenMP threads spin against each other and run many times slower.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -70,6 +74,8 @@ class ServerConfig:
     start_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
     allow_public_bind: bool = False
+    verifier_threads: int | None = None
+    speculator_threads: int = 1
     num_nodes: int = 0
     cluster_bind: str = "tcp://127.0.0.1:5556"
     node_wait_timeout_s: float = 300.0
@@ -93,6 +99,14 @@ class ServerConfig:
             raise ValueError(f"row_capacity ({self.row_capacity}) must exceed max_tree_nodes ({self.max_tree_nodes})")
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// endpoint, got {self.bind!r}")
+
+
+def _num_cores() -> int:
+    """Cores this process may run on (its CPU affinity, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -221,6 +235,7 @@ class Server:
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
                 "tp_rank": rank, "tp_size": cfg.tp, "dist_init": dist_init,
                 "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
+                "num_threads": cfg.verifier_threads or max(1, _num_cores() // (1 if cluster else cfg.tp)),
             }
             for rank in range(cfg.tp)
         ]
@@ -235,6 +250,7 @@ class Server:
             spec_config = {
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
                 "speculators": [dict(s) for s in cfg.speculators], "capacity": cfg.row_capacity,
+                "num_threads": cfg.speculator_threads,
             }
             if agents:
                 from treeserve.runtime.cluster import spawn_on

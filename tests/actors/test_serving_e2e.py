@@ -67,6 +67,16 @@ async def wait_for_stats(server: Server, predicate: Any, timeout_s: float = 10.0
         await asyncio.sleep(0.05)
 
 
+async def wait_restarted(supervisor: Any, name: str, old_pid: int, timeout_s: float = 120.0) -> None:
+    """Wait until the supervisor has replaced ``old_pid`` and the new child is running."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while supervisor.pid(name) in (old_pid, None):
+        assert loop.time() < deadline, f"{name} was not restarted"
+        await asyncio.sleep(0.05)
+    await supervisor.wait_running(name, max(1.0, deadline - loop.time()))
+
+
 async def generate_all(client: Client, speculate: str, max_tokens: int) -> list[list[int]]:
     completions = await asyncio.gather(
         *(client.generate(p, speculate=speculate, max_tokens=max_tokens) for p in PROMPTS)
@@ -133,8 +143,7 @@ async def test_killed_speculator_requests_stay_correct(tiny_folder: Path) -> Non
         os.kill(pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert [list(c.token_ids) for c in results] == expected
-        await sup.wait_running("speculator-0", 60)
-        assert sup.pid("speculator-0") != pid
+        await wait_restarted(sup, "speculator-0", pid)
         # The restarted speculator serves (and stays lossless).
         assert await generate_all(client, "tree", 40) == expected
 
@@ -151,6 +160,6 @@ async def test_killed_verifier_fails_requests_retryably_then_recovers(tiny_folde
         assert failures, "killing the verifier mid-generation must fail the running requests"
         for failure in failures:
             assert isinstance(failure, ServerError) and failure.retryable, failure
-        await sup.wait_running("verifier-0", 120)
+        await wait_restarted(sup, "verifier-0", pid)
         completion = await asyncio.wait_for(client.generate(PROMPTS[1], max_tokens=8), 120)
         assert list(completion.token_ids) == reference(PROMPTS[1], 8)

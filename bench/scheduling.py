@@ -1,0 +1,517 @@
+"""Scheduling benchmark: FCFS vs SSJF (and the SJF oracle, HRRN) on a real server or a simulator.
+
+Real run: replays a trace (JSON lines ``{"arrival_s", "prompt" | "messages", "max_tokens"}``)
+against an embedded :class:`treeserve.Server` once per ``--policy`` (each policy gets a fresh
+server), sending each request at its ``arrival_s`` and timing it from that moment (JCT) until
+the last token. Note: SSJF can only differ from FCFS when the scheduler receives
+``predicted_len`` for each request (see ``treeserve.predictor``); without it every request has
+the same predicted service (``max_tokens``) and SSJF orders like FCFS.
+
+``--calibrate`` measures the server's verify-step time at batch sizes 1..num_rows for
+speculation ``none`` (one-node trees) and ``tree`` and fits ``step_s = base + per_row * rows``
+(a :class:`LatencyModel`), saved to ``--latency-model``.
+
+``--simulate`` runs the real policy objects of ``treeserve.actors.policy`` in a discrete-event
+copy of the scheduler's loop (admit in policy order into free rows, prefill, one batched step
+for all running requests) driven by that latency model, over Poisson and bursty Gamma
+arrivals at several loads, with jobs from a predictions CSV (``treeserve train-predictor
+--predictions-out``: held-out prompts with true and predicted lengths).
+
+Usage::
+
+    python bench/scheduling.py --trace bench/data/trace_small.jsonl --policy fcfs ssjf --json
+    python bench/scheduling.py --calibrate --latency-model bench/out/latency.json
+    python bench/scheduling.py --simulate --jobs bench/out/predictions.csv --latency-model bench/out/latency.json
+
+``--json`` prints ``{"policies": {name: {"mean_jct_s", ..., "ratio_mean_jct_to_fcfs"}}}`` (and
+``"simulation"`` for ``--simulate``); ``--plot PATH`` writes a JCT CDF (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from treeserve.actors.policy import QueuedRequest, make_policy
+
+METRICS = ("mean_jct_s", "p50_jct_s", "p99_jct_s", "mean_wait_s", "max_wait_s", "req_per_s", "tokens_per_s")
+
+
+def _log(message: str) -> None:
+    print(f"[bench/scheduling] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class JobResult:
+    """One finished request: arrival, admission and finish times (s) and generated tokens."""
+
+    arrival_s: float
+    admitted_s: float
+    finished_s: float
+    num_tokens: int
+
+    @property
+    def jct_s(self) -> float:
+        """Job completion time: arrival to last token."""
+        return self.finished_s - self.arrival_s
+
+    @property
+    def wait_s(self) -> float:
+        """Queueing wait: arrival to admission."""
+        return self.admitted_s - self.arrival_s
+
+
+def summarize(results: Sequence[JobResult]) -> dict[str, float]:
+    """Mean/p50/p99 JCT, mean/max wait, requests/s and tokens/s (over first arrival..last finish)."""
+    if not results:
+        raise ValueError("no results to summarize")
+    jct = np.array([r.jct_s for r in results])
+    wait = np.array([r.wait_s for r in results])
+    span = max(r.finished_s for r in results) - min(r.arrival_s for r in results)
+    span = max(span, 1e-9)
+    return {
+        "num_requests": float(len(results)),
+        "mean_jct_s": float(jct.mean()),
+        "p50_jct_s": float(np.percentile(jct, 50)),
+        "p99_jct_s": float(np.percentile(jct, 99)),
+        "mean_wait_s": float(wait.mean()),
+        "max_wait_s": float(wait.max()),
+        "req_per_s": len(results) / span,
+        "tokens_per_s": sum(r.num_tokens for r in results) / span,
+    }
+
+
+def with_ratios(per_policy: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Add ``ratio_<metric>_to_fcfs`` to every policy's summary (when ``fcfs`` is present)."""
+    base = per_policy.get("fcfs")
+    out = {}
+    for name, summary in per_policy.items():
+        row = dict(summary)
+        if base is not None:
+            for metric in METRICS:
+                label = metric if metric.endswith("_per_s") else metric.removesuffix("_s")
+                row[f"ratio_{label}_to_fcfs"] = summary[metric] / base[metric] if base[metric] else math.nan
+        out[name] = row
+    return out
+
+
+# ---------------------------------------------------------------------------------- simulator
+@dataclass(frozen=True)
+class LatencyModel:
+    """Cost of the server's loop: one verify step of ``n`` running rows takes
+    ``base_s + per_row_s * n`` and emits ``tokens_per_step`` tokens per row on average
+    (speculation gain); admitting a request costs ``prefill_per_token_s * prompt_len``."""
+
+    base_s: float = 0.05
+    per_row_s: float = 0.02
+    tokens_per_step: float = 1.0
+    prefill_per_token_s: float = 0.0002
+    mode: str = "tree"
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def step_s(self, num_rows: int) -> float:
+        """Seconds of one verify step with ``num_rows`` running requests."""
+        return self.base_s + self.per_row_s * num_rows
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """A simulated request: arrival, prompt/output lengths and the predictor's guess."""
+
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    true_len: int
+    predicted_len: float | None = None
+
+
+def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_rows: int = 8,
+             max_wait_s: float = 30.0) -> list[JobResult]:
+    """Replay ``jobs`` through the scheduler's loop with the real ``policy`` object (results in job order).
+
+    Mirrors ``SchedulerActor._run``: requests join the policy when they arrive; at the top of
+    each iteration the policy admits into free rows (each admission prefills, advancing the
+    clock); then one step advances every running request by ``tokens_per_step`` tokens
+    (fractional progress accumulates; at least one token per step) and takes
+    ``latency.step_s(rows)``; a request finishes once it has ``min(true_len, max_tokens)``.
+    ``max_wait_s`` is the aging bound of ``ssjf``/``hrrn``; ``sjf-oracle`` runs without aging.
+    """
+    # The oracle stays pure SJF (no aging): the bound a perfect predictor could reach.
+    options = {"max_wait_s": max_wait_s} if policy in ("ssjf", "hrrn") else {}
+    queue = make_policy(policy, **options)
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
+    next_arrival = 0
+    now = 0.0 if not jobs else jobs[order[0]].arrival_s
+    running: dict[int, float] = {}  # job index -> tokens emitted so far
+    admitted: dict[int, float] = {}
+    results: dict[int, JobResult] = {}
+    per_step = max(1.0, latency.tokens_per_step)
+    while len(results) < len(jobs):
+        while next_arrival < len(order) and jobs[order[next_arrival]].arrival_s <= now:
+            i = order[next_arrival]
+            job = jobs[i]
+            queue.add(QueuedRequest(str(i), job.arrival_s, job.prompt_len, job.max_tokens,
+                                    predicted_len=job.predicted_len, true_len=job.true_len), now)
+            next_arrival += 1
+        free = num_rows - len(running)
+        for picked in queue.select(now, free) if free and len(queue) else []:
+            i = int(picked.request_id)
+            admitted[i] = now
+            running[i] = 0.0
+            now += latency.prefill_per_token_s * jobs[i].prompt_len
+        if not running:
+            now = max(now, jobs[order[next_arrival]].arrival_s)
+            continue
+        now += latency.step_s(len(running))
+        for i in list(running):
+            running[i] += per_step
+            target = max(1, min(jobs[i].true_len, jobs[i].max_tokens))
+            if running[i] >= target:
+                del running[i]
+                results[i] = JobResult(jobs[i].arrival_s, admitted[i], now, target)
+    return [results[i] for i in range(len(jobs))]
+
+
+def arrivals(kind: str, rate: float, num: int, rng: np.random.Generator, cv: float = 3.0) -> np.ndarray:
+    """Arrival times of ``num`` requests at mean ``rate``/s: ``poisson`` or bursty ``gamma``
+    (inter-arrival coefficient of variation ``cv``; ``cv > 1`` means bursts and lulls)."""
+    if kind == "poisson":
+        gaps = rng.exponential(1.0 / rate, num)
+    elif kind == "gamma":
+        shape = 1.0 / cv**2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), num)
+    else:
+        raise ValueError(f"arrival kind must be poisson or gamma, got {kind!r}")
+    return np.cumsum(gaps) - gaps[0]
+
+
+def capacity_req_per_s(latency: LatencyModel, num_rows: int, mean_len: float) -> float:
+    """Requests/s the server sustains with every row busy (the load ``rho = 1`` point)."""
+    tokens_per_s = num_rows * max(1.0, latency.tokens_per_step) / latency.step_s(num_rows)
+    return tokens_per_s / mean_len
+
+
+def sweep(pool: Sequence[SimJob], latency: LatencyModel, policies: Sequence[str], *, num_rows: int,
+          max_wait_s: float, loads: Sequence[float], num_jobs: int, seed: int,
+          kinds: Sequence[str] = ("poisson", "gamma")) -> list[dict[str, Any]]:
+    """Simulate every (arrival kind, load) pair with jobs drawn from ``pool``; one row per pair."""
+    rng = np.random.default_rng(seed)
+    mean_len = float(np.mean([max(1, min(j.true_len, j.max_tokens)) for j in pool]))
+    capacity = capacity_req_per_s(latency, num_rows, mean_len)
+    rows = []
+    for kind in kinds:
+        for load in loads:
+            picks = rng.integers(0, len(pool), num_jobs)
+            times = arrivals(kind, load * capacity, num_jobs, rng)
+            jobs = [replace(pool[p], arrival_s=float(t)) for p, t in zip(picks, times)]
+            per_policy = {name: summarize(simulate(jobs, name, latency, num_rows=num_rows, max_wait_s=max_wait_s))
+                          for name in policies}
+            rows.append({"arrivals": kind, "load": load, "rate_req_per_s": load * capacity,
+                         "policies": with_ratios(per_policy)})
+    return rows
+
+
+def read_jobs_csv(path: Path, max_tokens: int) -> list[SimJob]:
+    """Jobs from a predictions CSV (``num_prompt_tokens,num_output_tokens,predicted_len`` columns)."""
+    with path.open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(line for line in handle if not line.startswith("#")))
+    return [SimJob(0.0, int(r["num_prompt_tokens"]), max_tokens, int(r["num_output_tokens"]),
+                   float(r["predicted_len"])) for r in rows]
+
+
+# ---------------------------------------------------------------------------------- real server
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """A trace file: one ``{"arrival_s", "prompt" | "messages", "max_tokens"}`` object per line."""
+    entries = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    for n, e in enumerate(entries):
+        if "arrival_s" not in e or ("prompt" in e) == ("messages" in e) or "max_tokens" not in e:
+            raise ValueError(f"{path}:{n + 1}: needs arrival_s, max_tokens and one of prompt/messages")
+    return sorted(entries, key=lambda e: float(e["arrival_s"]))
+
+
+def _server_config(args: argparse.Namespace, policy: str, bind: str) -> Any:
+    from treeserve.server import ServerConfig
+
+    return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
+                        scheduler=policy, max_wait_s=args.max_wait_s)
+
+
+class _PredictingPolicy:
+    """Wraps the scheduler's policy so every queued request gets ``predicted_len`` from a predictor.
+
+    A benchmark shim for ``--inject-predictions``, until the scheduler computes the prediction
+    itself: ``add`` looks the request's prompt ids up in the scheduler and predicts from them.
+    """
+
+    def __init__(self, inner: Any, scheduler: Any, predictor: Any, seconds: list[float]) -> None:
+        self._inner, self._scheduler, self._predictor, self._seconds = inner, scheduler, predictor, seconds
+
+    def add(self, request: QueuedRequest, now: float) -> None:
+        started = time.perf_counter()
+        prompt_ids = self._scheduler._requests[request.request_id].prompt_ids
+        predicted = min(float(self._predictor.predict_from_prompt_ids(prompt_ids)), float(request.max_tokens))
+        self._seconds.append(time.perf_counter() - started)
+        self._inner.add(replace(request, predicted_len=predicted), now)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._inner
+
+
+def _install_predictor_shim(predictor: Any, seconds: list[float]) -> Any:
+    """Make ``Server`` spawn a scheduler whose policy receives predictions; returns the undo value."""
+    import treeserve.actors.scheduler as scheduler_module
+
+    original = scheduler_module.SchedulerActor
+
+    class PredictingScheduler(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self._policy = _PredictingPolicy(self._policy, self, predictor, seconds)
+
+    scheduler_module.SchedulerActor = PredictingScheduler  # type: ignore[misc]
+    return original
+
+
+async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
+    """Replay ``trace`` against a fresh embedded server running ``policy`` (see ``--inject-predictions``)."""
+    seconds: list[float] = []
+    original = None
+    if args.inject_predictions:
+        from treeserve.models import load_model
+        from treeserve.predictor import load_predictor
+
+        predictor = load_predictor(args.predictor)
+        if predictor.spec.needs_model:
+            predictor.bind(load_model(args.model).model)
+        original = _install_predictor_shim(predictor, seconds)
+    try:
+        return await _replay(args, trace, policy)
+    finally:
+        if original is not None:
+            import treeserve.actors.scheduler as scheduler_module
+
+            scheduler_module.SchedulerActor = original
+            if seconds:
+                _log(f"{policy}: {len(seconds)} predictions, mean {1000 * float(np.mean(seconds)):.1f} ms, "
+                     f"max {1000 * max(seconds):.1f} ms (in the scheduler's event loop)")
+
+
+async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
+    from treeserve.client import Client
+    from treeserve.server import Server
+
+    with tempfile.TemporaryDirectory(prefix="treeserve-sched-") as tmp:
+        async with Server(_server_config(args, policy, f"ipc://{tmp}/gw.sock")) as server, \
+                Client(server.endpoint) as client:
+            await client.generate("Hello", max_tokens=4, speculate=args.speculate)  # warm-up
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+
+            async def one(entry: dict[str, Any]) -> JobResult:
+                arrival = start + float(entry["arrival_s"])
+                await asyncio.sleep(max(0.0, arrival - loop.time()))
+                prompt = entry["messages"] if "messages" in entry else entry["prompt"]
+                done = await client.generate(prompt, max_tokens=int(entry["max_tokens"]), speculate=args.speculate)
+                finished = loop.time()
+                sent = finished - done.client_total_s
+                return JobResult(sent - start, sent - start + done.queue_s, finished - start, done.num_generated_tokens)
+
+            results = await asyncio.gather(*(one(e) for e in trace))
+    return list(results)
+
+
+async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure verify-step time vs running rows for speculation ``none`` and ``tree``; fit each."""
+    from treeserve.client import Client
+    from treeserve.server import Server
+
+    prompt = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper."}]
+    fits: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="treeserve-cal-") as tmp:
+        async with Server(_server_config(args, "fcfs", f"ipc://{tmp}/gw.sock")) as server, \
+                Client(server.endpoint) as client:
+            assert server.scheduler is not None
+            await client.generate("Hello", max_tokens=4)
+            for mode in ("none", "tree"):
+                points, gains = [], []
+                for rows in sorted({1, 2, max(1, args.num_rows // 2), args.num_rows}):
+                    before = (await server.scheduler.ask("stats"))["num_steps"]
+                    started = time.perf_counter()
+                    done = await asyncio.gather(*(client.generate(prompt, max_tokens=args.calibrate_tokens,
+                                                                  speculate=mode) for _ in range(rows)))
+                    wall = time.perf_counter() - started
+                    steps = (await server.scheduler.ask("stats"))["num_steps"] - before
+                    points.append((rows, wall / max(1, steps)))
+                    gains.extend(d.mean_accepted_per_step for d in done)
+                    _log(f"calibrate {mode}: {rows} rows -> {wall / max(1, steps) * 1000:.0f} ms/step")
+                x = np.array([[1.0, r] for r, _ in points])
+                (base, per_row), *_ = np.linalg.lstsq(x, np.array([s for _, s in points]), rcond=None)
+                fits[mode] = asdict(LatencyModel(max(0.0, float(base)), max(0.0, float(per_row)),
+                                                 float(np.mean(gains)), mode=mode,
+                                                 measured={"rows_vs_step_s": points}))
+    return fits
+
+
+def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0) -> list[dict[str, Any]]:
+    """``num`` prompts drawn at random from the MIT/Apache sets (MT-Bench, HumanEval, GSM8K;
+    fetched by ``bench/data/fetch.py``) with bursty Gamma arrivals (mean ``rate``/s, CV ``cv``)."""
+    pool = []
+    for name in ("mtbench", "humaneval", "gsm8k"):
+        path = Path(__file__).parent / "data" / f"{name}.jsonl"
+        for line in path.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                record = json.loads(line)
+                pool.append((f"{name}/{record['id']}", record["prompt"]))
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(pool), size=num, replace=False)
+    times = arrivals("gamma", rate, num, rng, cv=cv)
+    return [{"arrival_s": round(float(t), 3), "messages": [{"role": "user", "content": pool[p][1]}],
+             "max_tokens": max_tokens, "source": pool[p][0]} for p, t in zip(picks, times)]
+
+
+# ---------------------------------------------------------------------------------- output
+def plot_cdf(curves: dict[str, Sequence[float]], path: Path, title: str) -> bool:
+    """Write a JCT CDF (one curve per policy) to ``path``; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log("matplotlib is not installed (pip install matplotlib); no plot written")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in curves.items():
+        xs = np.sort(np.asarray(values))
+        ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=name)
+    ax.set_xlabel("job completion time (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _table(per_policy: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'policy':<11} {'mean JCT':>9} {'p50':>7} {'p99':>7} {'mean wait':>9} {'max wait':>9} "
+             f"{'req/s':>6} {'tok/s':>7} {'mean/FCFS':>9} {'p99/FCFS':>8}"]
+    for name, m in per_policy.items():
+        lines.append(f"{name:<11} {m['mean_jct_s']:>9.2f} {m['p50_jct_s']:>7.2f} {m['p99_jct_s']:>7.2f} "
+                     f"{m['mean_wait_s']:>9.2f} {m['max_wait_s']:>9.2f} {m['req_per_s']:>6.3f} "
+                     f"{m['tokens_per_s']:>7.1f} {m.get('ratio_mean_jct_to_fcfs', math.nan):>9.3f} "
+                     f"{m.get('ratio_p99_jct_to_fcfs', math.nan):>8.3f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
+    parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_small.jsonl")
+    parser.add_argument("--policy", nargs="+", default=["fcfs", "ssjf"],
+                        choices=["fcfs", "ssjf", "sjf-oracle", "hrrn"])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-rows", type=int, default=4, help="concurrent requests (KV rows)")
+    parser.add_argument("--row-capacity", type=int, default=1024)
+    parser.add_argument("--max-wait-s", type=float, default=30.0, help="SSJF/HRRN aging bound")
+    parser.add_argument("--speculate", default="tree", choices=["tree", "chain", "none"])
+    parser.add_argument("--inject-predictions", action="store_true",
+                        help="give the in-process scheduler predicted_len from --predictor (a shim until the "
+                             "scheduler does it itself)")
+    parser.add_argument("--predictor", type=Path, default=None, help=".npz predictor (default: the shipped one)")
+    parser.add_argument("--make-trace", type=Path, default=None,
+                        help="write a trace of --num-jobs random MT-Bench/HumanEval/GSM8K prompts here and exit")
+    parser.add_argument("--trace-rate", type=float, default=1.0, help="mean arrivals/s of --make-trace")
+    parser.add_argument("--trace-max-tokens", type=int, default=256)
+    parser.add_argument("--calibrate", action="store_true", help="measure the latency model on the real server")
+    parser.add_argument("--calibrate-tokens", type=int, default=32)
+    parser.add_argument("--latency-model", type=Path, default=None, help="JSON written by --calibrate")
+    parser.add_argument("--simulate", action="store_true", help="sweep arrivals in the simulator")
+    parser.add_argument("--jobs", type=Path, default=None, help="predictions CSV (train-predictor --predictions-out)")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95])
+    parser.add_argument("--num-jobs", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=512, help="max_tokens of simulated jobs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None, help="write a JCT CDF PNG here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out: dict[str, Any] = {}
+    if args.make_trace is not None:
+        entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed)
+        args.make_trace.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+        _log(f"wrote {len(entries)} requests to {args.make_trace}")
+        return 0
+    if args.calibrate:
+        fits = asyncio.run(calibrate(args))
+        out["latency_model"] = fits
+        if args.latency_model is not None:
+            args.latency_model.parent.mkdir(parents=True, exist_ok=True)
+            args.latency_model.write_text(json.dumps(fits, indent=1), encoding="utf-8")
+    elif args.simulate:
+        latency = LatencyModel()
+        if args.latency_model is not None:
+            fit = json.loads(args.latency_model.read_text(encoding="utf-8"))[args.speculate if args.speculate != "chain" else "tree"]
+            fit["measured"] = {}
+            latency = LatencyModel(**fit)
+        if args.jobs is None:
+            raise SystemExit("--simulate needs --jobs (a predictions CSV from treeserve train-predictor --predictions-out)")
+        pool = read_jobs_csv(args.jobs, args.max_tokens)
+        policies = list(dict.fromkeys(list(args.policy) + ["sjf-oracle"]))
+        rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
+                     loads=args.loads, num_jobs=args.num_jobs, seed=args.seed)
+        out["simulation"] = {"latency_model": asdict(latency), "num_rows": args.num_rows, "sweep": rows}
+        out["policies"] = rows[-1]["policies"]
+        for row in rows:
+            _log(f"{row['arrivals']} load {row['load']} ({row['rate_req_per_s']:.3f} req/s)\n" + _table(row["policies"]))
+        if args.plot is not None:
+            jobs = [replace(pool[p], arrival_s=float(t)) for p, t in zip(
+                np.random.default_rng(args.seed).integers(0, len(pool), args.num_jobs),
+                arrivals("gamma", args.loads[-1] * capacity_req_per_s(latency, args.num_rows, float(np.mean(
+                    [min(j.true_len, j.max_tokens) for j in pool]))), args.num_jobs, np.random.default_rng(args.seed)))]
+            plot_cdf({p: [r.jct_s for r in simulate(jobs, p, latency, num_rows=args.num_rows,
+                                                     max_wait_s=args.max_wait_s)] for p in policies},
+                     args.plot, f"simulated, gamma arrivals, load {args.loads[-1]}")
+    else:
+        trace = read_trace(args.trace)
+        results: dict[str, list[JobResult]] = {}
+        for policy in args.policy:
+            _log(f"replaying {len(trace)} requests with {policy}")
+            results[policy] = asyncio.run(replay(args, trace, policy))
+        out["policies"] = with_ratios({p: summarize(r) for p, r in results.items()})
+        out["config"] = {"trace": str(args.trace), "num_rows": args.num_rows, "speculate": args.speculate,
+                         "max_wait_s": args.max_wait_s, "model": args.model}
+        _log("\n" + _table(out["policies"]))
+        if args.plot is not None:
+            plot_cdf({p: [x.jct_s for x in r] for p, r in results.items()}, args.plot, f"real server, {args.trace.name}")
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""bench/scheduling.py without a server: the simulator (hand-checked timings, SSJF vs FCFS with
+an oracle predictor, a reversed predictor that must lose), summaries, arrivals, the trace file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+SCHEDULING_PY = Path(__file__).resolve().parents[1] / "bench" / "scheduling.py"
+TRACE = SCHEDULING_PY.parent / "data" / "trace_small.jsonl"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("treeserve_bench_scheduling", SCHEDULING_PY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+sched = _load()
+UNIT = sched.LatencyModel(base_s=1.0, per_row_s=0.0, tokens_per_step=1.0, prefill_per_token_s=0.0)
+
+
+def test_simulate_matches_hand_computed_timings() -> None:
+    jobs = [sched.SimJob(0.0, 5, 100, 3, predicted_len=3.0), sched.SimJob(0.0, 5, 100, 1, predicted_len=1.0)]
+    fcfs = sched.simulate(jobs, "fcfs", UNIT, num_rows=1)
+    assert [(r.admitted_s, r.finished_s) for r in fcfs] == [(0.0, 3.0), (3.0, 4.0)]
+    ssjf = sched.simulate(jobs, "ssjf", UNIT, num_rows=1)
+    assert [(r.admitted_s, r.finished_s) for r in ssjf] == [(1.0, 4.0), (0.0, 1.0)]
+    # Two rows: both run together; a step costs per_row_s more per running row.
+    two = sched.simulate(jobs, "fcfs", replace(UNIT, per_row_s=0.5), num_rows=2)
+    assert [r.finished_s for r in two] == [2.0 + 1.5 + 1.5, 2.0]
+    # Speculation gain: 2 tokens per step halves the steps; max_tokens caps the output.
+    fast = sched.simulate([sched.SimJob(0.0, 5, 3, 10)], "fcfs", replace(UNIT, tokens_per_step=2.0), num_rows=1)
+    assert fast[0].finished_s == 2.0 and fast[0].num_tokens == 3
+
+
+def test_simulate_idles_until_the_next_arrival_and_charges_prefill() -> None:
+    jobs = [sched.SimJob(10.0, 100, 50, 2)]
+    (result,) = sched.simulate(jobs, "fcfs", replace(UNIT, prefill_per_token_s=0.01), num_rows=4)
+    assert result.admitted_s == 10.0 and result.finished_s == pytest.approx(10.0 + 1.0 + 2.0)
+
+
+def _heavy_tailed_jobs(predict: str, seed: int = 0, num: int = 300) -> list:
+    rng = np.random.default_rng(seed)
+    true = np.where(rng.random(num) < 0.7, rng.integers(10, 60, num), rng.integers(300, 512, num))
+    latency = sched.LatencyModel(base_s=0.05, per_row_s=0.01, tokens_per_step=1.0, prefill_per_token_s=0.0)
+    rate = 0.95 * sched.capacity_req_per_s(latency, 4, float(true.mean()))
+    times = sched.arrivals("gamma", rate, num, rng, cv=2.0)
+    jobs = []
+    for t, n in zip(times, true):
+        guess = {"oracle": float(n), "reversed": 1e4 / float(n), "none": None}[predict]
+        jobs.append(sched.SimJob(float(t), 20, 512, int(n), guess))
+    return jobs, latency
+
+
+def test_ssjf_with_an_oracle_predictor_beats_fcfs_and_a_reversed_one_loses() -> None:
+    # Aging off: under this much queueing a finite bound would promote most jobs (FCFS order).
+    jobs, latency = _heavy_tailed_jobs("oracle")
+    fcfs = sched.summarize(sched.simulate(jobs, "fcfs", latency, num_rows=4))
+    ssjf = sched.summarize(sched.simulate(jobs, "ssjf", latency, num_rows=4, max_wait_s=1e9))
+    assert ssjf["mean_jct_s"] < 0.7 * fcfs["mean_jct_s"]
+    assert ssjf["num_requests"] == fcfs["num_requests"] == 300
+    # Same work either way: throughput is the same up to the last job's finish.
+    assert ssjf["tokens_per_s"] == pytest.approx(fcfs["tokens_per_s"], rel=0.1)
+    bad_jobs, _ = _heavy_tailed_jobs("reversed")
+    bad = sched.summarize(sched.simulate(bad_jobs, "ssjf", latency, num_rows=4, max_wait_s=1e9))
+    assert bad["mean_jct_s"] > fcfs["mean_jct_s"]
+    # No prediction: every job's service is max_tokens, so SSJF orders like FCFS.
+    none_jobs, _ = _heavy_tailed_jobs("none")
+    same = sched.summarize(sched.simulate(none_jobs, "ssjf", latency, num_rows=4, max_wait_s=1e9))
+    assert same["mean_jct_s"] == pytest.approx(fcfs["mean_jct_s"])
+
+
+def test_aging_bounds_the_wait_of_long_jobs() -> None:
+    jobs, latency = _heavy_tailed_jobs("oracle", seed=1)
+    no_aging = sched.summarize(sched.simulate(jobs, "ssjf", latency, num_rows=4, max_wait_s=1e9))
+    aging = sched.summarize(sched.simulate(jobs, "ssjf", latency, num_rows=4, max_wait_s=5.0))
+    assert aging["max_wait_s"] < no_aging["max_wait_s"]
+
+
+def test_summarize_and_ratios() -> None:
+    results = [sched.JobResult(0.0, 1.0, 3.0, 10), sched.JobResult(1.0, 1.0, 5.0, 30)]
+    s = sched.summarize(results)
+    assert s["mean_jct_s"] == 3.5 and s["max_wait_s"] == 1.0 and s["mean_wait_s"] == 0.5
+    assert s["req_per_s"] == pytest.approx(2 / 5) and s["tokens_per_s"] == pytest.approx(40 / 5)
+    ratios = sched.with_ratios({"fcfs": s, "ssjf": {**s, "mean_jct_s": 1.75}})
+    assert ratios["ssjf"]["ratio_mean_jct_to_fcfs"] == 0.5 and ratios["fcfs"]["ratio_p99_jct_to_fcfs"] == 1.0
+    with pytest.raises(ValueError):
+        sched.summarize([])
+
+
+@pytest.mark.parametrize("kind,cv", [("poisson", 1.0), ("gamma", 3.0)])
+def test_arrivals_have_the_asked_rate_and_burstiness(kind: str, cv: float) -> None:
+    times = sched.arrivals(kind, 2.0, 20000, np.random.default_rng(0), cv=cv)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(0.5, rel=0.1)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.15)
+
+
+def test_sweep_reports_every_policy_with_ratios() -> None:
+    pool = [sched.SimJob(0.0, 10, 512, n, float(n)) for n in (5, 20, 400)]
+    rows = sched.sweep(pool, UNIT, ["fcfs", "ssjf"], num_rows=2, max_wait_s=30.0, loads=[0.5], num_jobs=20, seed=0)
+    assert [(r["arrivals"], r["load"]) for r in rows] == [("poisson", 0.5), ("gamma", 0.5)]
+    assert "ratio_mean_jct_to_fcfs" in rows[0]["policies"]["ssjf"]
+
+
+def test_read_trace_validates(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 1, "prompt": "a", "max_tokens": 4}\n{"arrival_s": 0, "messages": '
+                    '[{"role": "user", "content": "b"}], "max_tokens": 4}\n', encoding="utf-8")
+    assert [e["arrival_s"] for e in sched.read_trace(path)] == [0, 1]
+    path.write_text('{"arrival_s": 1, "max_tokens": 4}\n', encoding="utf-8")
+    with pytest.raises(ValueError):
+        sched.read_trace(path)
+
+
+def test_shipped_trace_is_valid_and_from_permissive_sets() -> None:
+    entries = sched.read_trace(TRACE)
+    assert len(entries) >= 16
+    assert {e["source"].split("/")[0] for e in entries} <= {"mtbench", "humaneval", "gsm8k"}
+    assert all(1 <= e["max_tokens"] <= 512 for e in entries)
+    json.dumps(entries)
+
+
+def test_prediction_shim_sets_predicted_len_capped_at_max_tokens() -> None:
+    from treeserve.actors.policy import QueuedRequest, make_policy
+
+    class FakeRequest:
+        def __init__(self, ids: list[int]) -> None:
+            self.prompt_ids = ids
+
+    class FakeScheduler:
+        _requests = {"short": FakeRequest([1]), "long": FakeRequest([1] * 50)}
+
+    class LengthTimesTen:
+        def predict_from_prompt_ids(self, ids: list[int]) -> float:
+            return 10.0 * len(ids)
+
+    seconds: list[float] = []
+    policy = sched._PredictingPolicy(make_policy("ssjf", max_wait_s=100.0), FakeScheduler(), LengthTimesTen(), seconds)
+    policy.add(QueuedRequest("long", 0.0, 50, 128), 0.0)
+    policy.add(QueuedRequest("short", 1.0, 1, 128), 1.0)
+    assert len(policy) == 2 and "long" in policy and len(seconds) == 2
+    first, second = policy.select(2.0, 2)
+    assert (first.request_id, first.predicted_len) == ("short", 10.0)
+    assert (second.request_id, second.predicted_len) == ("long", 128.0)  # 500 capped at max_tokens

@@ -1,0 +1,244 @@
+"""treeserve.predictor: tau-b vs a slow reference, ridge recovers known relations, save/load,
+token/hidden features, online refinement, the CSV join; all synthetic and fast."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.predictor import (
+    FeatureSpec,
+    LengthExample,
+    OnlineHead,
+    Predictor,
+    PredictorError,
+    bucket_of,
+    evaluate,
+    features,
+    fit_predictor,
+    kendall_tau,
+    load_length_data,
+    load_predictor,
+    token_features,
+    train_predictor,
+)
+
+
+def slow_tau_b(x: list[float], y: list[float]) -> float:
+    """Textbook tau-b over all pairs (the reference)."""
+    concordant = discordant = tied_x_only = tied_y_only = 0
+    for i, j in itertools.combinations(range(len(x)), 2):
+        dx, dy = x[i] - x[j], y[i] - y[j]
+        if dx == 0 and dy == 0:
+            continue
+        if dx == 0:
+            tied_x_only += 1
+        elif dy == 0:
+            tied_y_only += 1
+        elif dx * dy > 0:
+            concordant += 1
+        else:
+            discordant += 1
+    denom = math.sqrt((concordant + discordant + tied_x_only) * (concordant + discordant + tied_y_only))
+    return (concordant - discordant) / denom if denom else 0.0
+
+
+def slow_tau_a(x: list[float], y: list[float]) -> float:
+    """Tau-a (ignores ties in the denominator): a deliberately different statistic."""
+    n = len(x)
+    s = sum(np.sign(x[i] - x[j]) * np.sign(y[i] - y[j]) for i, j in itertools.combinations(range(n), 2))
+    return float(s) / (n * (n - 1) / 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kendall_tau_matches_slow_reference_with_ties(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 700))  # crosses the 512-row chunk boundary sometimes
+    x = rng.integers(0, 6, n).astype(float).tolist()  # many ties
+    y = (np.array(x) + rng.integers(-3, 4, n)).tolist()
+    assert kendall_tau(x, y) == pytest.approx(slow_tau_b(x, y), abs=1e-12)
+    # With this many ties tau-a differs, so a tau-a implementation would fail the line above.
+    assert abs(slow_tau_a(x, y) - slow_tau_b(x, y)) > 1e-3
+
+
+def test_kendall_tau_edge_cases() -> None:
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 1, 1], [1, 2, 3]) == 0.0
+    with pytest.raises(PredictorError):
+        kendall_tau([1, 2], [1, 2, 3])
+
+
+def test_buckets_and_evaluate() -> None:
+    assert bucket_of(np.array([0, 63, 64, 127, 128, 511, 512, 900])).tolist() == [0, 0, 1, 1, 2, 3, 4, 4]
+    m = evaluate(np.array([10.0, 100.0, 300.0]), np.array([20.0, 100.0, 600.0]))
+    assert m["mae_tokens"] == pytest.approx((10 + 0 + 300) / 3)
+    assert m["bucket_accuracy"] == pytest.approx(2 / 3)
+    assert m["kendall_tau"] == pytest.approx(1.0)
+
+
+def test_ridge_recovers_a_known_relation() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 6)) * np.array([1, 2, 3, 0.5, 10, 1]) + 5
+    true_w = np.array([0.3, -0.2, 0.1, 0.0, 0.05, 0.0])
+    log_len = 4.0 + (x - 5) @ true_w + rng.normal(scale=0.02, size=600)
+    lengths = np.expm1(log_len)
+    pred = fit_predictor(x[:500], lengths[:500], FeatureSpec("prompt_len"), max_tokens=10_000)
+    # Standardised weights map back to raw-space weights.
+    assert np.allclose(pred.weights / pred.scale, true_w, atol=0.01)
+    out = np.asarray(pred.predict_features(x[500:]))
+    assert np.abs(np.log1p(out) - log_len[500:]).mean() < 0.05
+    assert kendall_tau(out, lengths[500:]) > 0.9
+
+
+def test_predictions_are_clipped_to_the_cap() -> None:
+    x = np.arange(40, dtype=float)[:, None]
+    pred = fit_predictor(x, np.expm1(0.2 * x[:, 0]), FeatureSpec("prompt_len"), max_tokens=512)
+    assert pred.predict_features(np.array([200.0])) == 512.0
+    assert pred.predict_features(np.array([-200.0])) == 1.0
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(50, 9))
+    lengths = np.expm1(3 + x[:, 0])
+    pred = fit_predictor(x, lengths, FeatureSpec("tokens", num_buckets=8), max_tokens=512)
+    pred.meta["note"] = "round trip"
+    path = tmp_path / "p.npz"
+    pred.save(path)
+    back = load_predictor(path)
+    assert back.spec == pred.spec and back.max_tokens == 512 and back.meta["note"] == "round trip"
+    assert np.allclose(back.predict_features(x), pred.predict_features(x), rtol=1e-4)
+    with np.load(path, allow_pickle=False) as data:  # no pickle needed to read it
+        assert json.loads(str(data["meta"]))["spec"]["kind"] == "tokens"
+    with pytest.raises(PredictorError):
+        load_predictor(tmp_path / "missing.npz")
+
+
+def _synthetic_examples(n: int, seed: int) -> list[LengthExample]:
+    """Token 7 in a prompt means a long answer; prompt length is unrelated to output length."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        ids = rng.integers(10, 400, int(rng.integers(5, 60))).tolist()
+        is_long = bool(rng.random() < 0.5)
+        if is_long:
+            ids[int(rng.integers(0, len(ids)))] = 7
+        length = int(rng.integers(300, 500) if is_long else rng.integers(5, 60))
+        out.append(LengthExample("synthetic", str(i), tuple(ids), length, False))
+    return out
+
+
+def test_train_predictor_token_features_beat_prompt_length() -> None:
+    examples = _synthetic_examples(400, 0)
+    report = train_predictor(examples, FeatureSpec("tokens", num_buckets=256),
+                             compare=[FeatureSpec("prompt_len")], num_folds=4)
+    tokens, baseline = report.held_out["tokens@256"], report.held_out["prompt_len"]
+    assert report.num_examples == 400 and report.held_out["prompt_len"]["num"] == 400
+    # Out-of-fold: refitting on all data and predicting the training prompts would score higher.
+    in_sample = report.predictor.predict_features(np.stack([token_features(e.prompt_ids, 256) for e in examples]))
+    assert kendall_tau(in_sample, [e.num_output_tokens for e in examples]) > tokens["kendall_tau"]
+    assert tokens["kendall_tau"] > 0.3 and tokens["kendall_tau"] > abs(baseline["kendall_tau"]) + 0.15
+    assert tokens["bucket_accuracy"] > baseline["bucket_accuracy"]
+    pred = report.predictor
+    long_ids = list(examples[0].prompt_ids[:10]) + [7]
+    assert pred.predict_from_prompt_ids(long_ids) > 4 * pred.predict_from_prompt_ids([11, 12, 13, 14, 15])
+
+
+def test_token_features_are_hashed_presence_plus_length() -> None:
+    f = token_features([5, 5, 9], 16)
+    assert f.shape == (17,) and set(f[:16].tolist()) == {0.0, 1.0} and f[:16].sum() in (1.0, 2.0)
+    assert f[16] == pytest.approx(math.log1p(3))
+    assert np.array_equal(token_features([5, 5, 9], 16), f)
+
+
+def _tiny_model() -> Transformer:
+    config = ModelConfig(vocab_size=50, dim=16, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8,
+                         ffn_dim=32, max_seq_len=64)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+def test_hidden_features_use_the_truncated_model() -> None:
+    model = _tiny_model()
+    spec = FeatureSpec("hidden", num_layers=2)
+    f = features(spec, [1, 2, 3, 4], model.truncated(2))
+    assert f.shape == (2 * 16 + 1,)
+    # The last-token part equals the truncated model's own hidden state at the last position.
+    _, hidden = model.truncated(2)(torch.tensor([[1, 2, 3, 4]]), model.truncated(2).new_cache(1, 4), return_hidden=True)
+    assert np.allclose(f[16:32], hidden[0, -1].numpy(), atol=1e-6)
+    assert not np.allclose(f, features(FeatureSpec("hidden", num_layers=3), [1, 2, 3, 4], model))
+    with pytest.raises(PredictorError):
+        features(spec, [1, 2, 3], model)  # a 3-layer model for a 2-layer spec
+    with pytest.raises(PredictorError):
+        features(spec, [1, 2, 3], None)
+
+
+def test_hidden_predictor_trains_and_predicts_through_bind() -> None:
+    model = _tiny_model()
+    rng = np.random.default_rng(0)
+    examples = []
+    for i in range(60):
+        ids = rng.integers(3, 50, int(rng.integers(3, 12))).tolist()
+        examples.append(LengthExample("s", str(i), tuple(ids), 20 if ids[0] < 25 else 200, False))
+    spec = FeatureSpec("hidden", num_layers=2)
+    report = train_predictor(examples, spec, model=model, num_folds=3)
+    pred = report.predictor.bind(model)
+    value = pred.predict_from_prompt_ids([4, 5, 6])
+    assert 1.0 <= value <= 512.0
+    assert value == pytest.approx(report.predictor.predict_from_prompt_ids([4, 5, 6], model))
+
+
+def test_online_head_adapts_to_a_shift_and_stays_bounded() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 4))
+    pred = fit_predictor(x, np.expm1(3 + 0.5 * x[:, 0]), FeatureSpec("prompt_len"), max_tokens=10_000)
+    shifted = lambda z: np.expm1(4 + 0.5 * z[:, 0] + 0.4 * z[:, 1])  # noqa: E731
+    test = rng.normal(size=(200, 4))
+    before = np.abs(np.log1p(pred.predict_features(test)) - np.log1p(shifted(test))).mean()
+    head = OnlineHead(pred, buffer_size=64, refit_every=16, alpha=1.0)
+    stream = rng.normal(size=(160, 4))
+    for row, length in zip(stream, shifted(stream)):
+        head.observe(row, int(round(length)))
+    after = np.abs(np.log1p(pred.predict_features(test)) - np.log1p(shifted(test))).mean()
+    assert after < 0.3 * before
+    assert len(head._buffer) == 64 and head.num_observed == 160
+
+
+def test_load_length_data_joins_by_id_and_checks_the_prompt(tmp_path: Path) -> None:
+    class FakeTokenizer:
+        def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+            return [ord(c) for c in messages[0]["content"]]
+
+    (tmp_path / "setA.jsonl").write_text(json.dumps({"id": "a1", "prompt": "hi"}) + "\n", encoding="utf-8")
+    sha = hashlib.sha256(b"hi").hexdigest()
+    csv_path = tmp_path / "lengths.csv"
+    csv_path.write_text(
+        '# max_tokens: 512\n# script: "x"\n'
+        "dataset,id,prompt_sha256,num_prompt_tokens,num_output_tokens,is_capped\n"
+        f"setA,a1,{sha},2,512,1\n", encoding="utf-8")
+    header, examples = load_length_data(csv_path, tmp_path, FakeTokenizer())
+    assert header == {"max_tokens": 512, "script": "x"}
+    assert examples == [LengthExample("setA", "a1", (104, 105), 512, True)]
+    csv_path.write_text(csv_path.read_text().replace(sha, "0" * 64), encoding="utf-8")
+    with pytest.raises(PredictorError, match="differs"):
+        load_length_data(csv_path, tmp_path, FakeTokenizer())
+
+
+def test_shipped_predictor_loads_with_provenance() -> None:
+    pred = load_predictor()
+    assert isinstance(pred, Predictor)
+    assert pred.meta["model_gguf_sha256"] and pred.meta["data_provenance"]["script"] == "bench/predictor_data.py"
+    assert pred.weights.size == pred.mean.size == pred.scale.size

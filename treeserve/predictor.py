@@ -1,0 +1,551 @@
+"""Output-length proxy model for SSJF: predicts how many tokens the served model will generate.
+
+A :class:`Predictor` is a ridge-regression head on ``log1p(output tokens)`` over one of three
+feature sets (:class:`FeatureSpec`):
+
+* ``hidden``: the prompt's hidden states after the served model's first ``num_layers`` blocks
+  (run through ``Transformer.truncated``, final norm applied), mean-pooled over the prompt and
+  at its last token, plus ``log1p(prompt length)``. Costs ``num_layers / num_layers_total`` of
+  a prefill, and needs the model (it lives in the verifier/speculator processes).
+* ``tokens``: a hashed set (0/1 presence) of prompt token ids (``num_buckets`` buckets) plus
+  ``log1p(prompt length)``. No model; microseconds, so it can run in the scheduler itself.
+* ``prompt_len``: ``log1p(prompt length)`` alone, the baseline the issue compares against.
+
+Training (:func:`train_predictor`) standardises features, picks the ridge strength by k-fold
+cross-validation on the training split and reports held-out metrics (:func:`evaluate`: MAE
+in tokens, bucket accuracy, Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus
+one JSON metadata string; no pickle). :class:`OnlineHead` refines a trained head from completed
+requests at bounded cost. ``main`` is the ``treeserve train-predictor`` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from treeserve.ops.model import Transformer
+
+log = logging.getLogger(__name__)
+
+FEATURE_KINDS = ("hidden", "tokens", "prompt_len")
+DEFAULT_PREDICTOR_FILE = "data/predictor_smollm2-135m-instruct.npz"
+BUCKET_EDGES = (64, 128, 256, 512)
+"""Bucket ``i`` holds lengths in ``[edges[i-1], edges[i])``; the last bucket is ``>= 512`` (capped)."""
+DEFAULT_ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
+_FORMAT_VERSION = 1
+
+
+class PredictorError(ValueError):
+    """A predictor file, dataset or argument is unusable; the message says why."""
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which features a predictor reads: ``kind`` in :data:`FEATURE_KINDS`; ``num_layers``
+    (blocks of the served model, ``hidden`` only); ``num_buckets`` (hash buckets, ``tokens`` only)."""
+
+    kind: str = "hidden"
+    num_layers: int = 4
+    num_buckets: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.kind not in FEATURE_KINDS:
+            raise PredictorError(f"feature kind must be one of {FEATURE_KINDS}, got {self.kind!r}")
+        if self.num_layers < 1 or self.num_buckets < 1:
+            raise PredictorError("num_layers and num_buckets must be >= 1")
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether computing the features runs the served model's first layers."""
+        return self.kind == "hidden"
+
+
+# ---------------------------------------------------------------------------------- features
+def token_features(prompt_ids: Sequence[int], num_buckets: int) -> np.ndarray:
+    """Hashed set of token ids (1.0 where some prompt id hashes, ``(num_buckets,)``) then ``log1p(len)``.
+
+    Presence rather than counts: "the prompt contains *essay*" is the signal, and a 0/1
+    indicator keeps it independent of the prompt's length (which has its own feature).
+    """
+    present = np.zeros(num_buckets, dtype=np.float64)
+    if prompt_ids:
+        # Multiplicative hashing spreads neighbouring ids (similar BPE pieces) over buckets.
+        ids = (np.asarray(prompt_ids, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(num_buckets)
+        present[ids.astype(np.int64)] = 1.0
+    return np.concatenate([present, [math.log1p(len(prompt_ids))]])
+
+
+def pooled_hidden_features(hidden: np.ndarray) -> np.ndarray:
+    """``hidden`` ``(T, D)`` of one prompt -> ``[mean over T, last row, log1p(T)]`` ``(2D + 1,)``."""
+    if hidden.ndim != 2 or hidden.shape[0] == 0:
+        raise PredictorError(f"hidden must be (T, D) with T >= 1, got shape {hidden.shape}")
+    hidden = hidden.astype(np.float64)
+    return np.concatenate([hidden.mean(axis=0), hidden[-1], [math.log1p(hidden.shape[0])]])
+
+
+def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
+    """Final-normed hidden states ``(T, D)`` of ``model`` over the prompt (one causal prefill)."""
+    import torch
+
+    cache = model.new_cache(1, len(prompt_ids))
+    _, hidden = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device), cache,
+                      return_hidden=True)  # (1, T, D)
+    return hidden[0].float().cpu().numpy()
+
+
+def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
+    """The feature vector of one prompt under ``spec`` (``model``: the truncated model for ``hidden``)."""
+    if not prompt_ids:
+        raise PredictorError("prompt_ids must not be empty")
+    if spec.kind == "prompt_len":
+        return np.array([math.log1p(len(prompt_ids))])
+    if spec.kind == "tokens":
+        return token_features(prompt_ids, spec.num_buckets)
+    if model is None:
+        raise PredictorError("hidden features need the served model (pass model=...)")
+    if model.config.num_layers != spec.num_layers:
+        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
+                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
+    return pooled_hidden_features(prompt_hidden(model, prompt_ids))
+
+
+# ---------------------------------------------------------------------------------- metrics
+def kendall_tau(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Kendall's tau-b of two equal-length samples (ties in either handled); 0.0 when undefined.
+
+    O(n^2) memory-chunked pair counting: fine for the few thousand points evaluated here.
+    """
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise PredictorError(f"kendall_tau needs two 1-D samples of one length, got {a.shape} and {b.shape}")
+    n = a.size
+    concordant_minus_discordant = 0.0
+    num_untied_a = num_untied_b = 0.0
+    for start in range(0, n, 512):
+        da = np.sign(a[start:start + 512, None] - a[None, :])  # (chunk, n)
+        db = np.sign(b[start:start + 512, None] - b[None, :])
+        concordant_minus_discordant += float((da * db).sum())
+        num_untied_a += float((da != 0).sum())
+        num_untied_b += float((db != 0).sum())
+    if num_untied_a == 0 or num_untied_b == 0:
+        return 0.0
+    return concordant_minus_discordant / math.sqrt(num_untied_a * num_untied_b)
+
+
+def bucket_of(lengths: np.ndarray, edges: Sequence[int] = BUCKET_EDGES) -> np.ndarray:
+    """Bucket index of each length (see :data:`BUCKET_EDGES`)."""
+    return np.searchsorted(np.asarray(edges), np.asarray(lengths, dtype=np.float64), side="right")
+
+
+def evaluate(predicted: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    """Held-out figures: ``mae_tokens``, ``bucket_accuracy``, ``kendall_tau``, ``num``."""
+    predicted, true = np.asarray(predicted, dtype=np.float64), np.asarray(true, dtype=np.float64)
+    return {
+        "num": float(true.size),
+        "mae_tokens": float(np.abs(predicted - true).mean()) if true.size else 0.0,
+        "bucket_accuracy": float((bucket_of(predicted) == bucket_of(true)).mean()) if true.size else 0.0,
+        "kendall_tau": kendall_tau(predicted, true),
+    }
+
+
+# ---------------------------------------------------------------------------------- the head
+def _ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
+    """Ridge on centred data: weights ``(F,)`` and intercept (the intercept is not penalised)."""
+    x_mean, y_mean = x.mean(axis=0), float(y.mean())
+    xc, yc = x - x_mean, y - y_mean
+    num, dim = xc.shape
+    if dim <= num:
+        w = np.linalg.solve(xc.T @ xc + alpha * np.eye(dim), xc.T @ yc)
+    else:  # dual form: an (n, n) system when features outnumber examples
+        w = xc.T @ np.linalg.solve(xc @ xc.T + alpha * np.eye(num), yc)
+    return w, y_mean - float(x_mean @ w)
+
+
+@dataclass
+class Predictor:
+    """A trained length predictor: standardisation, ridge weights and metadata.
+
+    ``predict_features(x)`` returns predicted output tokens clipped to ``[1, max_tokens]``
+    (``max_tokens``: the generation cap of the training data). ``meta`` records provenance.
+    """
+
+    spec: FeatureSpec
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+    intercept: float
+    max_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    _truncated: Any = field(default=None, repr=False, compare=False)
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray | float:
+        """Predicted output tokens for one feature vector ``(F,)`` (a float) or a batch ``(N, F)``."""
+        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.scale
+        log_len = z @ self.weights + self.intercept
+        out = np.clip(np.expm1(log_len), 1.0, float(self.max_tokens))
+        return float(out) if np.ndim(out) == 0 else out
+
+    def bind(self, model: Transformer) -> Predictor:
+        """Attach the served model (``hidden`` features run its first ``num_layers`` blocks)."""
+        if self.spec.needs_model:
+            self._truncated = model.truncated(self.spec.num_layers)
+        return self
+
+    def predict_from_prompt_ids(self, prompt_ids: Sequence[int], model: Transformer | None = None) -> float:
+        """Predicted output tokens of one prompt (chat-templated ids, as the scheduler sees them).
+
+        ``hidden`` predictors need the served model: pass it here or :meth:`bind` it once.
+        """
+        truncated = self._truncated
+        if self.spec.needs_model and model is not None:
+            truncated = model.truncated(self.spec.num_layers)
+        value = self.predict_features(features(self.spec, prompt_ids, truncated))
+        assert isinstance(value, float)
+        return value
+
+    predict = predict_from_prompt_ids
+
+    def save(self, path: str | Path) -> None:
+        """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
+        meta = {"format_version": _FORMAT_VERSION, "spec": self.spec.__dict__, "max_tokens": self.max_tokens,
+                "intercept": self.intercept, **{"meta": self.meta}}
+        with Path(path).open("wb") as handle:
+            np.savez_compressed(handle, mean=self.mean.astype(np.float32), scale=self.scale.astype(np.float32),
+                                weights=self.weights.astype(np.float32), meta=np.array(json.dumps(meta)))
+
+
+def load_predictor(path: str | Path | None = None) -> Predictor:
+    """Load a predictor saved by :meth:`Predictor.save`; ``None``: the shipped default one."""
+    try:
+        if path is None:
+            handle = resources.files("treeserve.ops").joinpath(DEFAULT_PREDICTOR_FILE).open("rb")
+        else:
+            handle = Path(path).open("rb")
+        with handle, np.load(handle, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta"]))
+            arrays = {k: data[k].astype(np.float64) for k in ("mean", "scale", "weights")}
+    except (OSError, KeyError, ValueError) as exc:
+        raise PredictorError(f"cannot load predictor {path or DEFAULT_PREDICTOR_FILE}: {exc}") from exc
+    if meta.get("format_version") != _FORMAT_VERSION:
+        raise PredictorError(f"unsupported predictor format {meta.get('format_version')!r}")
+    return Predictor(FeatureSpec(**meta["spec"]), arrays["mean"], arrays["scale"], arrays["weights"],
+                     float(meta["intercept"]), int(meta["max_tokens"]), meta.get("meta", {}))
+
+
+def fit_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
+                  alphas: Sequence[float] = DEFAULT_ALPHAS, num_folds: int = 5, seed: int = 0) -> Predictor:
+    """Fit a ridge head on ``log1p(lengths)``; the ridge strength is chosen by k-fold CV (MSE)."""
+    x, y = np.asarray(x, dtype=np.float64), np.log1p(np.asarray(lengths, dtype=np.float64))
+    if x.ndim != 2 or x.shape[0] != y.size or y.size < 2:
+        raise PredictorError(f"need an (N, F) feature matrix and N >= 2 lengths, got {x.shape} and {y.size}")
+    mean, scale = x.mean(axis=0), x.std(axis=0)
+    scale = np.where(scale > 1e-12, scale, 1.0)
+    z = (x - mean) / scale
+    folds = np.random.default_rng(seed).permutation(y.size) % max(2, min(num_folds, y.size))
+    best_alpha, best_err = alphas[0], math.inf
+    for alpha in alphas:
+        err = 0.0
+        for k in np.unique(folds):
+            w, b = _ridge(z[folds != k], y[folds != k], alpha)
+            err += float(((z[folds == k] @ w + b - y[folds == k]) ** 2).sum())
+        if err < best_err:
+            best_alpha, best_err = alpha, err
+    w, b = _ridge(z, y, best_alpha)
+    return Predictor(spec, mean, scale, w, b, max_tokens, {"alpha": best_alpha, "num_train": int(y.size)})
+
+
+class OnlineHead:
+    """Refines a trained predictor from completed requests, at bounded cost.
+
+    Keeps the last ``buffer_size`` (features, true length) pairs and, every ``refit_every``
+    observations, re-solves ridge *towards the trained weights* on that buffer:
+    ``w = argmin |Z w + b - y|^2 + alpha |w - w0|^2`` (dual form, O(N^2 F + N^3) with
+    N = ``buffer_size``), so a few requests nudge the head and many override it.
+    """
+
+    def __init__(self, predictor: Predictor, *, buffer_size: int = 256, refit_every: int = 32,
+                 alpha: float | None = None) -> None:
+        if buffer_size < 1 or refit_every < 1:
+            raise PredictorError("buffer_size and refit_every must be >= 1")
+        self.predictor = predictor
+        self._w0, self._b0 = predictor.weights.copy(), predictor.intercept
+        self._alpha = float(alpha if alpha is not None else predictor.meta.get("alpha", 10.0))
+        self._buffer: deque[tuple[np.ndarray, float]] = deque(maxlen=buffer_size)
+        self._refit_every = refit_every
+        self.num_observed = 0
+
+    def observe(self, x: np.ndarray, true_len: int) -> None:
+        """Record one completed request (its features and real output length)."""
+        self._buffer.append((np.asarray(x, dtype=np.float64), math.log1p(max(0, true_len))))
+        self.num_observed += 1
+        if self.num_observed % self._refit_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        """Re-solve the head on the buffer (regularised towards the trained weights)."""
+        if not self._buffer:
+            return
+        p = self.predictor
+        z = (np.stack([x for x, _ in self._buffer]) - p.mean) / p.scale  # (N, F)
+        y = np.array([t for _, t in self._buffer])
+        residual = y - (z @ self._w0 + self._b0)
+        # Intercept shift: mean residual, shrunk like one extra feature of value 1.
+        zc, rc = z - z.mean(axis=0), residual - residual.mean()
+        delta = zc.T @ np.linalg.solve(zc @ zc.T + self._alpha * np.eye(len(y)), rc)
+        p.weights = self._w0 + delta
+        p.intercept = self._b0 + float(residual.mean() - z.mean(axis=0) @ delta) * len(y) / (len(y) + self._alpha)
+
+
+# ---------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class LengthExample:
+    """One recorded prompt: where it came from, its chat-templated ids and the real output length."""
+
+    dataset: str
+    id: str
+    prompt_ids: tuple[int, ...]
+    num_output_tokens: int
+    is_capped: bool
+
+
+def read_length_csv(path: str | Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The provenance header (``# key: json``) and the rows of a ``bench/predictor_data.py`` CSV."""
+    header: dict[str, Any] = {}
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    body = []
+    for line in lines:
+        if line.startswith("# "):
+            key, _, value = line[2:].partition(": ")
+            header[key] = json.loads(value)
+        elif line.strip():
+            body.append(line)
+    return header, list(csv.DictReader(body))
+
+
+def load_length_data(csv_path: str | Path, prompts_dir: str | Path, tokenizer: Any) -> tuple[dict[str, Any], list[LengthExample]]:
+    """Join the CSV rows with the fetched prompt files (``<prompts_dir>/<dataset>.jsonl``) by id.
+
+    Each prompt is checked against the row's ``prompt_sha256`` and re-tokenized with the chat
+    template; a row whose prompt is missing or differs raises :class:`PredictorError`.
+    """
+    header, rows = read_length_csv(csv_path)
+    prompts: dict[tuple[str, str], str] = {}
+    for dataset in sorted({r["dataset"] for r in rows}):
+        path = Path(prompts_dir) / f"{dataset}.jsonl"
+        if not path.exists():
+            raise PredictorError(f"{path} is missing: run python bench/data/fetch.py {dataset}")
+        for line in path.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                record = json.loads(line)
+                prompts[(dataset, str(record["id"]))] = record["prompt"]
+    examples = []
+    for row in rows:
+        prompt = prompts.get((row["dataset"], row["id"]))
+        if prompt is None or hashlib.sha256(prompt.encode("utf-8")).hexdigest() != row["prompt_sha256"]:
+            raise PredictorError(f"prompt {row['dataset']}/{row['id']} is missing or differs from the recorded one")
+        ids = tuple(int(t) for t in tokenizer.encode_chat([{"role": "user", "content": prompt}]))
+        examples.append(LengthExample(row["dataset"], row["id"], ids, int(row["num_output_tokens"]),
+                                      row["is_capped"] == "1"))
+    return header, examples
+
+
+# ---------------------------------------------------------------------------------- training
+@dataclass
+class TrainReport:
+    """What :func:`train_predictor` returns: the predictor (fit on all examples), the
+    cross-validated held-out metrics and out-of-fold predictions of every compared spec."""
+
+    predictor: Predictor
+    held_out: dict[str, dict[str, float]]
+    num_examples: int
+    num_folds: int
+    test_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    held_out_predictions: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def spec_name(spec: FeatureSpec) -> str:
+    """A short label: ``hidden@4``, ``tokens@1024``, ``prompt_len``."""
+    if spec.kind == "hidden":
+        return f"hidden@{spec.num_layers}"
+    return f"tokens@{spec.num_buckets}" if spec.kind == "tokens" else "prompt_len"
+
+
+def feature_matrix(spec: FeatureSpec, examples: Sequence[LengthExample], model: Transformer | None) -> tuple[np.ndarray, float]:
+    """Features of every example ``(N, F)`` and the mean seconds per prompt it took."""
+    truncated = model.truncated(spec.num_layers) if spec.needs_model and model is not None else None
+    started = time.perf_counter()
+    rows = [features(spec, e.prompt_ids, truncated) for e in examples]
+    return np.stack(rows), (time.perf_counter() - started) / max(1, len(examples))
+
+
+def train_predictor(
+    examples: Sequence[LengthExample],
+    spec: FeatureSpec,
+    *,
+    model: Transformer | None = None,
+    compare: Sequence[FeatureSpec] = (),
+    max_tokens: int = 512,
+    num_folds: int = 5,
+    seed: int = 0,
+    alphas: Sequence[float] = DEFAULT_ALPHAS,
+) -> TrainReport:
+    """Train the predictor of ``spec``; measure it and each ``compare`` spec on held-out prompts.
+
+    Held-out figures are ``num_folds``-fold cross-validated: the examples are split into seeded
+    random folds, each fold is predicted by a head fit on the other folds only (its ridge
+    strength chosen by an inner CV there), and :func:`evaluate` scores the pooled out-of-fold
+    predictions, so every example is a held-out prompt exactly once (plus ``feature_ms``: mean
+    feature cost per prompt). The returned predictor is then fit on all examples. ``hidden``
+    specs need ``model``.
+    """
+    if num_folds < 2:
+        raise PredictorError(f"num_folds must be >= 2, got {num_folds}")
+    if len(examples) < 2 * num_folds:
+        raise PredictorError(f"need at least {2 * num_folds} examples for {num_folds} folds, got {len(examples)}")
+    lengths = np.array([e.num_output_tokens for e in examples], dtype=np.float64)
+    folds = np.random.default_rng(seed).permutation(len(examples)) % num_folds
+    held_out: dict[str, dict[str, float]] = {}
+    predictions: dict[str, np.ndarray] = {}
+    final: Predictor | None = None
+    specs = [spec] + [s for s in compare if s != spec]
+    for current in specs:
+        x, seconds = feature_matrix(current, examples, model)
+        predicted = np.zeros(len(examples))
+        for k in range(num_folds):
+            fitted = fit_predictor(x[folds != k], lengths[folds != k], current, max_tokens, alphas=alphas, seed=seed)
+            predicted[folds == k] = np.asarray(fitted.predict_features(x[folds == k]))
+        predictions[spec_name(current)] = predicted
+        held_out[spec_name(current)] = {**evaluate(predicted, lengths), "feature_ms": 1000 * seconds}
+        if current == spec:
+            final = fit_predictor(x, lengths, current, max_tokens, alphas=alphas, seed=seed)
+            final.meta["held_out"] = held_out[spec_name(current)]
+    assert final is not None
+    return TrainReport(final, held_out, len(examples), num_folds, np.arange(len(examples)), predictions)
+
+
+def _parse_spec(text: str, num_buckets: int) -> FeatureSpec:
+    kind, _, arg = text.partition("@")
+    if kind == "hidden":
+        return FeatureSpec("hidden", num_layers=int(arg or 4))
+    if kind == "tokens":
+        return FeatureSpec("tokens", num_buckets=int(arg or num_buckets))
+    return FeatureSpec(kind)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``treeserve train-predictor`` flags."""
+    parser.add_argument("--data", type=Path, default=Path("bench/data/predictor_lengths.csv"),
+                        help="CSV written by bench/predictor_data.py")
+    parser.add_argument("--prompts-dir", type=Path, default=Path("bench/data"),
+                        help="folder with the fetched <dataset>.jsonl prompt files")
+    parser.add_argument("--features", default="hidden@4",
+                        help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
+    parser.add_argument("--compare", nargs="*", default=["prompt_len", "tokens@1024", "hidden@4", "hidden@30"],
+                        help="other feature specs to report on the held-out split")
+    parser.add_argument("--out", type=Path, default=None, help="where to save the .npz (default: do not save)")
+    parser.add_argument("--predictions-out", type=Path, default=None,
+                        help="write the held-out prompts' true and predicted lengths here (CSV)")
+    parser.add_argument("--model", default=None, help="served model (default: the default model)")
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds of the held-out figures")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def held_out_by_dataset(examples: Sequence[LengthExample], report: TrainReport,
+                        min_examples: int = 10) -> dict[str, dict[str, dict[str, float]]]:
+    """:func:`evaluate` of each spec's out-of-fold predictions within each dataset (>= ``min_examples``)."""
+    names = np.array([e.dataset for e in examples])
+    lengths = np.array([e.num_output_tokens for e in examples], dtype=np.float64)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for dataset in sorted(set(names.tolist())):
+        mask = names == dataset
+        if mask.sum() >= min_examples:
+            out[dataset] = {n: evaluate(p[mask], lengths[mask]) for n, p in report.held_out_predictions.items()}
+    return out
+
+
+def write_predictions(path: Path, examples: Sequence[LengthExample], report: TrainReport) -> None:
+    """CSV of every prompt's true length and out-of-fold predictions (one column per compared
+    spec; ``predicted_len`` is the saved spec's), as ``bench/scheduling.py --jobs`` reads it."""
+    names = list(report.held_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["dataset", "id", "num_prompt_tokens", "num_output_tokens", "is_capped", "predicted_len"]
+                        + [f"pred_{n}" for n in names])
+        for row, index in enumerate(report.test_indices):
+            e = examples[int(index)]
+            preds = [float(report.held_out_predictions[n][row]) for n in names]
+            writer.writerow([e.dataset, e.id, len(e.prompt_ids), e.num_output_tokens, int(e.is_capped),
+                             f"{preds[0]:.2f}"] + [f"{v:.2f}" for v in preds])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``train-predictor`` with parsed ``args``; prints the held-out table; returns an exit code."""
+    import torch
+
+    from treeserve.models import DEFAULT_MODEL, REGISTRY, load_model
+
+    torch.set_num_threads(args.threads)
+    model_name = args.model or DEFAULT_MODEL
+    loaded = load_model(model_name)
+    header, examples = load_length_data(args.data, args.prompts_dir, loaded.tokenizer)
+    spec = _parse_spec(args.features, 1024)
+    compare = [_parse_spec(s, 1024) for s in args.compare]
+    report = train_predictor(examples, spec, model=loaded.model, compare=compare,
+                             max_tokens=int(header.get("max_tokens", 512)), num_folds=args.folds, seed=args.seed)
+    spec_obj = REGISTRY.get(model_name)
+    report.predictor.meta.update({
+        "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "data": str(args.data), "data_provenance": header, "num_examples": len(examples),
+        "model": model_name, "model_gguf_sha256": spec_obj.gguf_sha256 if spec_obj else None,
+        "folds": args.folds, "seed": args.seed, "script": "treeserve train-predictor",
+    })
+    if args.out is not None:
+        report.predictor.save(args.out)
+    if args.predictions_out is not None:
+        write_predictions(args.predictions_out, examples, report)
+    by_dataset = held_out_by_dataset(examples, report)
+    result = {"spec": spec_name(spec), "num_examples": report.num_examples, "num_folds": report.num_folds,
+              "held_out": report.held_out, "held_out_by_dataset": by_dataset,
+              "saved_to": str(args.out) if args.out else None}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"held-out ({report.num_folds}-fold cross-validation over {report.num_examples} prompts)")
+        print(f"{'features':<12} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'feat ms':>8}")
+        for name, m in report.held_out.items():
+            print(f"{name:<12} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
+                  f"{m['kendall_tau']:>6.3f} {m['feature_ms']:>8.1f}")
+        print("Kendall's tau within each dataset (out-of-fold):")
+        for dataset, per_spec in by_dataset.items():
+            print(f"  {dataset:<11} n={int(next(iter(per_spec.values()))['num']):<4} "
+                  + " ".join(f"{n}={m['kendall_tau']:.3f}" for n, m in per_spec.items()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m treeserve.predictor`` == ``treeserve train-predictor``."""
+    parser = argparse.ArgumentParser(prog="treeserve train-predictor",
+                                     description="train the output-length predictor used by SSJF")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
