@@ -502,6 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in args.policy:
             _log(f"replaying {len(trace)} requests with {policy}")
             results[policy] = asyncio.run(replay(args, trace, policy))
+            _log(f"{policy}: " + json.dumps(summarize(results[policy])))  # partial results survive a later failure
         out["policies"] = with_ratios({p: summarize(r) for p, r in results.items()})
         out["config"] = {"trace": str(args.trace), "num_rows": args.num_rows, "speculate": args.speculate,
                          "max_wait_s": args.max_wait_s, "model": args.model}

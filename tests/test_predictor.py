@@ -242,3 +242,13 @@ def test_shipped_predictor_loads_with_provenance() -> None:
     assert isinstance(pred, Predictor)
     assert pred.meta["model_gguf_sha256"] and pred.meta["data_provenance"]["script"] == "bench/predictor_data.py"
     assert pred.weights.size == pred.mean.size == pred.scale.size
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_prompt_hidden_equals_the_models_own_forward(num_tokens: int) -> None:
+    from treeserve.predictor import prompt_hidden
+
+    model = _tiny_model().truncated(2)
+    ids = list(range(3, 3 + num_tokens))
+    _, hidden = model(torch.tensor([ids]), model.new_cache(1, num_tokens), return_hidden=True)
+    assert np.allclose(prompt_hidden(model, ids), hidden[0].numpy(), atol=1e-5)

@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--expansion", default=DEFAULT_EXPANSION, help="SSM expansion config, e.g. 1,1,3,1,1,1,1,1")
     gen.add_argument(
-        "--draft-layers", type=int, default=4,
-        help="self-drafting SSM = the model's first K layers (0 = n-gram speculator only)",
+        "--draft-layers", type=int, default=0,
+        help="add a self-drafting SSM = the model's first K layers (default 0: n-gram speculator only)",
     )
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="public gateway endpoint")
     serve.add_argument(
         "--speculator", action="append", default=None, metavar="SPEC",
-        help="speculator kind, repeatable: ngram | self:LAYERS | model:PATH (default: ngram and self:4); "
+        help="speculator kind, repeatable: ngram | self:LAYERS | model:PATH (default: ngram); "
         "'none' disables speculation",
     )
     serve.add_argument("--expansion", default=DEFAULT_EXPANSION, help="expansion config of model speculators")
@@ -132,14 +132,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def _speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ...]) -> tuple[dict[str, Any], ...]:
     if specs is None:
-        specs = ["ngram", "self:4"]
+        specs = ["ngram"]
     out: list[dict[str, Any]] = []
     for spec in specs:
         kind, _, arg = spec.partition(":")
         if kind == "none":
             return ()
         if kind == "ngram":
-            out.append({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion)})
+            out.append({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion), "num_branches": 2})
         elif kind == "self":
             try:
                 layers = int(arg or "4")
@@ -255,7 +255,7 @@ async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, .
 
     speculators: tuple[dict[str, Any], ...] = ()
     if args.speculate != "none":
-        speculators = ({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion)},)
+        speculators = ({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion), "num_branches": 2},)
         if args.draft_layers:
             speculators += ({"kind": "self", "layers": args.draft_layers, "expansion": list(expansion)},)
     with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
@@ -368,7 +368,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     else:
         if not 0 <= args.draft_layers < model.config.num_layers:
             raise UserError(f"--draft-layers must be in [0, {model.config.num_layers - 1}], got {args.draft_layers}")
-        speculators: list[Speculator] = [NGramSpeculator(model.config.vocab_size, num_draft_tokens=len(expansion))]
+        speculators: list[Speculator] = [NGramSpeculator(model.config.vocab_size, num_draft_tokens=len(expansion), num_branches=2)]
         if args.draft_layers:
             speculators.append(ModelSpeculator(model.truncated(args.draft_layers), expansion))
         mode = SpeculationMode.TREE if args.speculate == "tree" else SpeculationMode.CHAIN

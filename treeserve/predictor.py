@@ -98,13 +98,28 @@ def pooled_hidden_features(hidden: np.ndarray) -> np.ndarray:
 
 
 def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
-    """Final-normed hidden states ``(T, D)`` of ``model`` over the prompt (one causal prefill)."""
+    """Final-normed hidden states ``(T, D)`` of ``model`` over the prompt (one causal prefill).
+
+    Runs ``Transformer.forward``'s blocks without the LM head: for a truncated model the
+    ``(T, vocab)`` logits would cost more than the few blocks themselves. The test suite checks
+    the result against ``model(..., return_hidden=True)``.
+    """
     import torch
 
-    cache = model.new_cache(1, len(prompt_ids))
-    _, hidden = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device), cache,
-                      return_hidden=True)  # (1, T, D)
-    return hidden[0].float().cpu().numpy()
+    num = len(prompt_ids)
+    cache = model.new_cache(1, num)
+    lengths = cache.begin_write(num)
+    positions = torch.arange(num, device=model.device)
+    with torch.inference_mode():
+        cos = model.rope_cos[positions].to(model.dtype)[None, None]  # (1, 1, T, hd)
+        sin = model.rope_sin[positions].to(model.dtype)[None, None]
+        h = model.embed_tokens(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device))  # (1, T, D)
+        for index, block in enumerate(model.layers):
+            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, None, num, num > 1)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        h = model.norm(h)
+    out: np.ndarray = h[0].float().cpu().numpy()
+    return out
 
 
 def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
