@@ -264,7 +264,7 @@ class SchedulerActor(Actor):
             picked = self._policy.select(self.clock(), len(self._free_rows))
             if not picked:
                 return
-            for queued in picked:
+            for index, queued in enumerate(picked):
                 req = self._requests.get(queued.request_id)
                 if req is None or req.is_cancelled:
                     self._requests.pop(queued.request_id, None)
@@ -277,6 +277,13 @@ class SchedulerActor(Actor):
                     await self._all_shards("prefill", {"row": req.row, "prompt_ids": req.prompt_ids})
                 except ActorError as exc:
                     self._on_verifier_failure(exc)
+                    # The rest of this pick already left the queue: fail them too, never drop them.
+                    for rest in picked[index + 1:]:
+                        pending = self._requests.get(rest.request_id)
+                        if pending is not None:
+                            self._counters["num_failed"] += 1
+                            self._fail(pending, ServiceUnavailable(
+                                f"the verifier failed while the request was admitted: {exc.message}", retryable=True))
                     return
                 await self._start_speculators(req)
 

@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--nodes", type=int, default=0, help="wait for this many `treeserve node` hosts to join")
     serve.add_argument("--cluster-bind", default="tcp://127.0.0.1:5556", help="endpoint nodes join")
 
+    train = sub.add_parser("train-predictor", help="train the SSJF output-length predictor (see treeserve.predictor)")
+    from treeserve.predictor import add_arguments as add_predictor_arguments
+
+    add_predictor_arguments(train)
+
     node = sub.add_parser("node", help="offer this host's devices to a head server")
     node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
     node.add_argument("--advertise-host", default="127.0.0.1", help="address of this host that the head can reach")
@@ -399,7 +404,16 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node}
+def cmd_train_predictor(args: argparse.Namespace) -> int:
+    from treeserve.predictor import run
+
+    return int(run(args) or 0)
+
+
+COMMANDS = {
+    "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
+    "train-predictor": cmd_train_predictor,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

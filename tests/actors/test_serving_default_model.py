@@ -66,8 +66,9 @@ async def test_default_model_greedy_identical_for_every_mode(loaded: Any, tmp_pa
         assert tree_steps is not None and tree_steps <= len(expected)
 
 
+@pytest.mark.timeout(1200)
 async def test_64_concurrent_streaming_clients(loaded: Any, tmp_path: Path) -> None:
-    max_tokens = 8
+    max_tokens = 4
     expected = {q: reference(loaded, q, max_tokens) for q in QUESTIONS}
     async with Server(server_config(tmp_path, max_concurrent_streams=256)) as server:
 
@@ -86,7 +87,7 @@ async def test_64_concurrent_streaming_clients(loaded: Any, tmp_path: Path) -> N
                     return i, exc
                 return i, streamed
 
-        outcomes = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 900)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 1100)
     assert sorted(i for i, _ in outcomes) == list(range(64))  # nothing lost, nothing duplicated
     completed = 0
     for i, outcome in outcomes:
