@@ -119,7 +119,7 @@ def _free_port() -> int:
 def prepare_model(config: ServerConfig, progress: Callable[[Any], None] | None = None) -> Any:
     """Pull/convert the model once in this process (so child processes never race on the cache)
     and return its tokenizer."""
-    from treeserve.models import REGISTRY, convert_gguf, converted_dir_for, pull
+    from treeserve.models import CONFIG_FILE, REGISTRY, convert_gguf, converted_dir_for, pull
     from treeserve.ops.tokenizer import Tokenizer
 
     path = Path(config.model).expanduser()
@@ -127,7 +127,7 @@ def prepare_model(config: ServerConfig, progress: Callable[[Any], None] | None =
         path = pull(config.model, config.cache_dir, progress=progress)
     if path.is_file() and path.suffix == ".gguf":
         folder = converted_dir_for(path, config.cache_dir)
-        if not (folder / "treeserve-config.json").exists():
+        if not (folder / CONFIG_FILE).exists():
             convert_gguf(path, folder, progress=progress)
         return Tokenizer.from_folder(folder)
     if path.is_dir():
