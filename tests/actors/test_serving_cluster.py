@@ -5,23 +5,18 @@ the node. Greedy output must equal plain incremental decoding."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from treeserve.client import Client
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental
 from treeserve.server import Server, ServerConfig
 
-_spec = importlib.util.spec_from_file_location("tiny_model_files", Path(__file__).with_name("tiny_model_files.py"))
-tiny = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("tiny_model_files", tiny)
-_spec.loader.exec_module(tiny)
+import tiny_model_files as tiny  # registered by conftest.py
 
 PROMPTS = [[5, 9, 11, 30, 7], [40, 41, 42, 43, 40, 41, 42]]
 

@@ -11,10 +11,8 @@ hangs) and the restarted shards serve new requests. Cancelling a stream frees it
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +23,7 @@ from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental
 from treeserve.server import Server, ServerConfig
 
-_spec = importlib.util.spec_from_file_location("tiny_model_files", Path(__file__).with_name("tiny_model_files.py"))
-tiny = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("tiny_model_files", tiny)
-_spec.loader.exec_module(tiny)
+import tiny_model_files as tiny  # registered by conftest.py
 
 PROMPTS = [[5, 9, 11, 30, 7], [40, 41, 42, 43, 40, 41, 42], [3], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 SPECULATORS = (

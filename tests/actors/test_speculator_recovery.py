@@ -4,10 +4,8 @@ fails a propose batch; with ``history`` it is rebuilt and drafts as a freshly st
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +19,7 @@ from treeserve.runtime import RemoteError, Runtime, SupervisorConfig
 pytestmark = pytest.mark.timeout(120)
 
 
-def _load_helper() -> Any:
-    path = Path(__file__).with_name("tiny_model_files.py")
-    spec = importlib.util.spec_from_file_location("tiny_model_files", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tiny_model_files", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load_helper()
+import tiny_model_files as tiny  # registered by conftest.py
 GREEDY = params_to_wire(SamplingParams())
 
 

@@ -9,9 +9,7 @@ shards (gloo) must give the same replies as TP=1, stochastic requests included.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +38,7 @@ def one_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(before)
 
 
-def _load_helper() -> Any:
-    path = Path(__file__).with_name("tiny_model_files.py")
-    spec = importlib.util.spec_from_file_location("tiny_model_files", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tiny_model_files", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load_helper()
+import tiny_model_files as tiny  # registered by conftest.py
 
 SPECULATORS = [
     {"kind": "ngram", "max_ngram": 3, "num_draft_tokens": 3},
