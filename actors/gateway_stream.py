@@ -26,6 +26,7 @@ STAT_KEYS = (
     "queue_s",
     "ttft_s",
     "total_s",
+    "predicted_len",
 )
 """Scheduler stats copied into ``stream_end`` (a whitelist: the scheduler may add
 internal fields that are no business of the client)."""

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
 from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
 from treeserve.ops.sampling import SamplingParams
@@ -44,6 +45,7 @@ from treeserve.transport.wire import ErrorCode
 log = logging.getLogger(__name__)
 
 SPECULATE_MODES = ("tree", "chain", "none")
+PREDICTION_POLICIES = ("ssjf", "hrrn")
 
 
 class InvalidRequest(ActorError):
@@ -62,7 +64,12 @@ class ServiceUnavailable(ActorError):
 class SchedulerConfig:
     """Scheduler knobs. ``num_rows``/``row_capacity`` must match the verifier shards' cache;
     ``max_tree_nodes`` caps a merged token tree (root included); ``max_wait_s`` is the aging
-    bound of ``ssjf``/``hrrn``/``sjf-oracle``; ``step_timeout_s`` bounds each call to a shard."""
+    bound of ``ssjf``/``hrrn``/``sjf-oracle``; ``step_timeout_s`` bounds each call to a shard;
+    ``predict_timeout_s`` bounds the length prediction of one request (on timeout the request
+    is queued without one, as if it would run to ``max_tokens``). ``adaptive_speculation``
+    sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
+    and step cost at the current batch size (:mod:`treeserve.actors.adaptive`); without it every
+    step drafts ``max_tree_nodes``."""
 
     num_rows: int = 8
     row_capacity: int = 2048
@@ -72,6 +79,8 @@ class SchedulerConfig:
     max_tree_nodes: int = 64
     max_queue: int = 4096
     step_timeout_s: float = 300.0
+    predict_timeout_s: float = 10.0
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue"):
@@ -80,8 +89,9 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
         if not self.max_wait_s > 0:
             raise ValueError(f"SchedulerConfig.max_wait_s must be > 0, got {self.max_wait_s}")
-        if not self.step_timeout_s > 0:
-            raise ValueError(f"SchedulerConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        for name in ("step_timeout_s", "predict_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
         make_policy(self.policy, **self._policy_options())  # validates the name early
 
     def _policy_options(self) -> dict[str, Any]:
@@ -90,6 +100,11 @@ class SchedulerConfig:
     def make_policy(self) -> SchedulingPolicy:
         """A fresh policy object of the configured kind."""
         return make_policy(self.policy, **self._policy_options())
+
+    @property
+    def uses_predictions(self) -> bool:
+        """Whether the policy orders by predicted output length (``ssjf``, ``hrrn``)."""
+        return self.policy in PREDICTION_POLICIES
 
 
 @dataclass
@@ -105,6 +120,7 @@ class _Request:
     since_propose: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
     needs_history: set[int] = field(default_factory=set)
+    predicted_len: float | None = None
     admitted_s: float | None = None
     first_token_s: float | None = None
     is_cancelled: bool = False
@@ -126,8 +142,12 @@ class SchedulerActor(Actor):
     """Runs the step loop (an owned task) and serves ``generate`` streams and ``stats``.
 
     Constructed in the head process with the config, the verifier shards' refs (rank order)
-    and the speculator actors' refs. ``generate`` streams ``{"token_ids": [...]}`` items and a
-    last item with ``"done": true`` and the request's statistics; cancelling the stream
+    and the speculator actors' refs, and optionally a
+    :class:`~treeserve.actors.length_predictor.LengthPredictorActor`: with a policy that orders
+    by predicted length, each request is queued with ``min(prediction, max_tokens)`` (without a
+    predictor, or when it fails, the policy assumes ``max_tokens``), and every ended request is
+    reported to it so it can learn online. ``generate`` streams ``{"token_ids": [...]}`` items
+    and a last item with ``"done": true`` and the request's statistics; cancelling the stream
     removes the request and frees its KV row. ``clock`` is injectable for tests.
     """
 
@@ -139,6 +159,7 @@ class SchedulerActor(Actor):
         config: SchedulerConfig,
         verifiers: Sequence[ActorRef],
         speculators: Sequence[ActorRef] = (),
+        predictor: ActorRef | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -147,6 +168,7 @@ class SchedulerActor(Actor):
         self.config = config
         self.verifiers = list(verifiers)
         self.speculators = list(speculators)
+        self.predictor = predictor if config.uses_predictions else None
         self.clock = clock
         self._policy = config.make_policy()
         self._requests: dict[str, _Request] = {}
@@ -156,8 +178,13 @@ class SchedulerActor(Actor):
         self._loop_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._counters = {"num_steps": 0, "num_completed": 0, "num_cancelled": 0, "num_failed": 0,
-                          "num_speculator_failures": 0, "num_verifier_failures": 0}
+                          "num_speculator_failures": 0, "num_verifier_failures": 0,
+                          "num_predicted": 0, "num_predictor_failures": 0}
         self._timers = {"propose_s": 0.0, "verify_s": 0.0}  # wall time spent in each phase of the steps
+        self._adaptive: AdaptiveSpeculation | None = None
+        if config.adaptive_speculation and self.speculators:
+            candidates = tuple(n for n in AdaptiveConfig().candidates if n <= config.max_tree_nodes)
+            self._adaptive = AdaptiveSpeculation(AdaptiveConfig(candidates=candidates))
 
     async def on_start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="scheduler-step-loop")
@@ -179,8 +206,15 @@ class SchedulerActor(Actor):
         if len(self._policy) >= self.config.max_queue:
             raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
         self._requests[req.request_id] = req
+        try:
+            # Aging counts from arrival, so the time spent predicting counts as waiting.
+            req.predicted_len = await self._predict(req)
+        except BaseException:
+            self._requests.pop(req.request_id, None)
+            raise
         self._policy.add(
-            QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids), req.params.max_new_tokens),
+            QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids), req.params.max_new_tokens,
+                          predicted_len=req.predicted_len),
             req.arrival_s,
         )
         self._wake.set()
@@ -199,6 +233,7 @@ class SchedulerActor(Actor):
                     self._requests.pop(req.request_id, None)
                 self._counters["num_cancelled"] += 1
                 self._wake.set()
+                await self._report_length(req, is_censored=True)
 
     @handler
     async def stats(self) -> dict[str, Any]:
@@ -209,7 +244,39 @@ class SchedulerActor(Actor):
             "num_running": len(self._running),
             "num_free_rows": len(self._free_rows),
             "policy": self.config.policy,
+            "has_predictor": self.predictor is not None,
+            **({} if self._adaptive is None else {"adaptive": self._adaptive.snapshot()}),
         }
+
+    # ------------------------------------------------------------------ length prediction
+    async def _predict(self, req: _Request) -> float | None:
+        """``min(predicted length, max_tokens)``, or None without a (working) predictor."""
+        if self.predictor is None:
+            return None
+        try:
+            reply = await self.predictor.ask(
+                "predict", {"request_id": req.request_id, "prompt_ids": req.prompt_ids},
+                timeout=self.config.predict_timeout_s,
+            )
+            value = float(reply["predicted_len"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any predictor fault degrades to "no prediction"
+            self._counters["num_predictor_failures"] += 1
+            log.warning("length prediction failed for %s (%s); queued as max_tokens", req.request_id, exc)
+            return None
+        self._counters["num_predicted"] += 1
+        return min(max(value, 1.0), float(req.params.max_new_tokens))
+
+    async def _report_length(self, req: _Request, *, is_censored: bool) -> None:
+        """Tell the predictor how long the request really ran (it drops censored lengths)."""
+        if self.predictor is None or req.predicted_len is None:
+            return
+        body = {"request_id": req.request_id, "num_generated_tokens": len(req.emitted), "is_censored": is_censored}
+        try:
+            await self.predictor.tell("observe", body)
+        except ActorError as exc:  # learning is best effort; serving goes on
+            log.debug("could not report the length of %s: %s", req.request_id, exc)
 
     # ------------------------------------------------------------------ request parsing
     def _parse(self, body: Any) -> _Request:
@@ -303,8 +370,9 @@ class SchedulerActor(Actor):
         batch = [r for r in self._running.values() if not r.is_cancelled]
         if not batch:
             return
+        budget = self.config.max_tree_nodes if self._adaptive is None else self._adaptive.tree_budget(len(batch))
         started = time.perf_counter()
-        trees = await self._propose(batch)
+        trees = await self._propose(batch, budget)
         proposed = time.perf_counter()
         rows = [
             {"row": req.row, "tree": tree_to_wire(tree), "params": params_to_wire(req.params), "request_id": req.request_id}
@@ -315,9 +383,19 @@ class SchedulerActor(Actor):
         except ActorError as exc:
             self._on_verifier_failure(exc)
             return
+        verified = time.perf_counter()
         self._counters["num_steps"] += 1
         self._timers["propose_s"] += proposed - started
-        self._timers["verify_s"] += time.perf_counter() - proposed
+        self._timers["verify_s"] += verified - proposed
+        if self._adaptive is not None:
+            try:
+                self._adaptive.observe(
+                    num_rows=len(batch), budget=budget, nodes_per_row=[t.num_nodes for t in trees],
+                    accepted_per_row=[len(r["accepted"]) - 1 for r in reply["rows"]],
+                    verify_s=verified - proposed, propose_s=proposed - started,
+                )
+            except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
+                log.warning("adaptive speculation ignored a step: %s", exc)
         now = self.clock()
         for req, result in zip(batch, reply["rows"]):
             if result["row"] != req.row:
@@ -333,12 +411,20 @@ class SchedulerActor(Actor):
             if finish is not None:
                 await self._finish(req, finish)
 
-    async def _propose(self, batch: list[_Request]) -> list[TokenTree]:
+    async def _propose(self, batch: list[_Request], budget: int) -> list[TokenTree]:
+        """One token tree per request of ``batch``, each of at most ``budget`` nodes (root included)."""
         speculating = [r for r in batch if r.speculate != "none" and r.params.max_new_tokens - len(r.emitted) > 1]
         per_request: dict[str, list[TokenTree]] = {r.request_id: [] for r in batch}
-        if speculating and self.speculators:
+        # A fixed per-speculator share of the budget, so the merged tree never needs a size cut
+        # that would depend on the draws; a budget too small to share goes to the first one.
+        shares = [1 + (budget - 1) // len(self.speculators)] * len(self.speculators) if self.speculators else []
+        if shares and shares[0] == 1:
+            shares = [budget] + [1] * (len(shares) - 1)
+        asked = [index for index, share in enumerate(shares) if share > 1]
+        if speculating and asked:
             calls = []
-            for index, spec in enumerate(self.speculators):
+            for index in asked:
+                spec = self.speculators[index]
                 entries = []
                 for req in speculating:
                     entry: dict[str, Any] = {
@@ -346,16 +432,14 @@ class SchedulerActor(Actor):
                         "new_tokens": list(req.since_propose),
                         "max_depth": req.params.max_new_tokens - len(req.emitted) - 1,
                         "params": params_to_wire(req.params),
-                        # A fixed per-speculator share of the tree budget, so the merged tree
-                        # never needs a size cut that would depend on the draws.
-                        "max_nodes": 1 + (self.config.max_tree_nodes - 1) // len(self.speculators),
+                        "max_nodes": shares[index],
                     }
                     if index in req.needs_history:
                         entry["history"] = req.prompt_ids + req.emitted
                     entries.append(entry)
                 calls.append(spec.ask("propose", {"requests": entries}, timeout=self.config.step_timeout_s))
             results = await asyncio.gather(*calls, return_exceptions=True)
-            for index, result in enumerate(results):
+            for index, result in zip(asked, results):
                 if isinstance(result, BaseException):
                     self._on_speculator_failure(index, result)
                     continue
@@ -369,6 +453,8 @@ class SchedulerActor(Actor):
                         per_request[req.request_id].append(tree_from_wire(wire))
             for req in speculating:
                 req.since_propose.clear()
+                # A speculator left out this step missed these tokens: rebuild it from the history.
+                req.needs_history.update(i for i in range(len(self.speculators)) if i not in asked)
         trees = []
         for req in batch:
             proposed = [t for t in per_request[req.request_id] if t.root_token == req.root]
@@ -406,8 +492,10 @@ class SchedulerActor(Actor):
             "queue_s": (req.admitted_s or now) - req.arrival_s,
             "ttft_s": (req.first_token_s or now) - req.arrival_s,
             "total_s": now - req.arrival_s,
+            **({} if req.predicted_len is None else {"predicted_len": req.predicted_len}),
         })
         self._counters["num_completed"] += 1
+        await self._report_length(req, is_censored=finish is FinishReason.LENGTH)
         await self._release(req)
 
     async def _release(self, req: _Request) -> None:

@@ -61,12 +61,13 @@ _KIND_KEYS: Mapping[str, frozenset[str]] = {
     "ngram": frozenset({"kind", "max_ngram", "min_ngram", "num_draft_tokens", "num_branches"}),
     "self": frozenset({"kind", "layers", "expansion"}),
     "model": frozenset({"kind", "model", "expansion"}),
+    "distilled": frozenset({"kind", "path", "index", "expansion"}),
 }
 
 
 @dataclass(frozen=True)
 class SpeculatorSpec:
-    """One configured speculator: ``kind`` (ngram | self | model) and its validated options."""
+    """One configured speculator: ``kind`` (ngram | self | model | distilled) and its validated options."""
 
     kind: str
     options: Mapping[str, Any]
@@ -91,6 +92,11 @@ class SpeculatorSpec:
             options["expansion"] = validate_expansion(options["expansion"])
             if kind == "self":
                 _int(options.get("layers"), "self speculator layers", minimum=1)
+            elif kind == "distilled":
+                # path: a `treeserve distill` weights file (default: the shipped one); index: which SSM in it.
+                if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
+                    raise ValueError("a 'distilled' speculator's 'path' must be a weights file path or null")
+                options["index"] = _int(options.get("index", 0), "distilled speculator index")
             elif not isinstance(options.get("model"), str) or not options["model"]:
                 raise ValueError("a 'model' speculator needs 'model': a registry name, .gguf path or folder")
         return cls(kind, options)
@@ -189,6 +195,13 @@ class SpeculatorActor(Actor):
                         f"the verifier's model {model.config.vocab_size}: they must share the tokenizer"
                     )
                 self._drafters.append(other)
+            elif spec.kind == "distilled":
+                from treeserve.ops.ssm import DEFAULT_SSM_FILE, load_ssms
+
+                ssms = load_ssms(model, spec.options.get("path") or DEFAULT_SSM_FILE)  # FileNotFoundError if absent
+                if not spec.options["index"] < len(ssms):
+                    raise ValueError(f"distilled speculator index {spec.options['index']} but the file has {len(ssms)} SSMs")
+                self._drafters.append(ssms[spec.options["index"]])
             else:
                 self._drafters.append(None)
 

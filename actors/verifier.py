@@ -194,6 +194,8 @@ class VerifierShard(Actor):
             raise ValueError(f"row_capacity {capacity} exceeds the model's max_seq_len {loaded.config.max_seq_len}")
         self._info = {
             "vocab_size": loaded.config.vocab_size,
+            "dim": loaded.config.dim,
+            "num_layers": loaded.config.num_layers,
             "max_seq_len": loaded.config.max_seq_len,
             "num_rows": cfg.num_rows,
             "row_capacity": capacity,

@@ -3,9 +3,11 @@
 Real run: replays a trace (JSON lines ``{"arrival_s", "prompt" | "messages", "max_tokens"}``)
 against an embedded :class:`treeserve.Server` once per ``--policy`` (each policy gets a fresh
 server), sending each request at its ``arrival_s`` and timing it from that moment (JCT) until
-the last token. Note: SSJF can only differ from FCFS when the scheduler receives
-``predicted_len`` for each request (see ``treeserve.predictor``); without it every request has
-the same predicted service (``max_tokens``) and SSJF orders like FCFS.
+the last token. Under ``ssjf``/``hrrn`` the server's length-predictor actor predicts each
+request's output length (the shipped predictor, or ``--predictor``); the prediction comes back
+in each completion and is recorded. With ``--latency-model`` the same trace is also run through
+the simulator (true lengths and predictions from the real run) and its mean JCT is reported
+next to the real one (``sim_mean_jct_s``, ``sim_error``: the simulator's calibration check).
 
 ``--calibrate`` measures the server's verify-step time at batch sizes 1..num_rows for
 speculation ``none`` (one-node trees) and ``tree`` and fits ``step_s = base + per_row * rows``
@@ -62,6 +64,8 @@ class JobResult:
     admitted_s: float
     finished_s: float
     num_tokens: int
+    predicted_len: float | None = None
+    num_prompt_tokens: int = 0
 
     @property
     def jct_s(self) -> float:
@@ -150,6 +154,9 @@ def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_
     ``max_wait_s`` is the aging bound of ``ssjf``/``hrrn``; ``sjf-oracle`` runs without aging.
     """
     # The oracle stays pure SJF (no aging): the bound a perfect predictor could reach.
+    # ``ssjf-max-tokens`` is the ablation: SSJF with aging but no predictor (max_tokens only).
+    without_predictor = policy == "ssjf-max-tokens"
+    policy = "ssjf" if without_predictor else policy
     options = {"max_wait_s": max_wait_s} if policy in ("ssjf", "hrrn") else {}
     queue = make_policy(policy, **options)
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
@@ -164,7 +171,8 @@ def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_
             i = order[next_arrival]
             job = jobs[i]
             queue.add(QueuedRequest(str(i), job.arrival_s, job.prompt_len, job.max_tokens,
-                                    predicted_len=job.predicted_len, true_len=job.true_len), now)
+                                    predicted_len=None if without_predictor else job.predicted_len,
+                                    true_len=job.true_len), now)
             next_arrival += 1
         free = num_rows - len(running)
         for picked in queue.select(now, free) if free and len(queue) else []:
@@ -243,76 +251,17 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 
 def _server_config(args: argparse.Namespace, policy: str, bind: str) -> Any:
-    from treeserve.server import ServerConfig
+    from treeserve.server import DEFAULT_SPECULATORS, ServerConfig
 
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
-                        scheduler=policy, max_wait_s=args.max_wait_s)
-
-
-class _PredictingPolicy:
-    """Wraps the scheduler's policy so every queued request gets ``predicted_len`` from a predictor.
-
-    A benchmark shim for ``--inject-predictions``, until the scheduler computes the prediction
-    itself: ``add`` looks the request's prompt ids up in the scheduler and predicts from them.
-    """
-
-    def __init__(self, inner: Any, scheduler: Any, predictor: Any, seconds: list[float]) -> None:
-        self._inner, self._scheduler, self._predictor, self._seconds = inner, scheduler, predictor, seconds
-
-    def add(self, request: QueuedRequest, now: float) -> None:
-        started = time.perf_counter()
-        prompt_ids = self._scheduler._requests[request.request_id].prompt_ids
-        predicted = min(float(self._predictor.predict_from_prompt_ids(prompt_ids)), float(request.max_tokens))
-        self._seconds.append(time.perf_counter() - started)
-        self._inner.add(replace(request, predicted_len=predicted), now)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._inner
-
-
-def _install_predictor_shim(predictor: Any, seconds: list[float]) -> Any:
-    """Make ``Server`` spawn a scheduler whose policy receives predictions; returns the undo value."""
-    import treeserve.actors.scheduler as scheduler_module
-
-    original = scheduler_module.SchedulerActor
-
-    class PredictingScheduler(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *a: Any, **k: Any) -> None:
-            super().__init__(*a, **k)
-            self._policy = _PredictingPolicy(self._policy, self, predictor, seconds)
-
-    scheduler_module.SchedulerActor = PredictingScheduler  # type: ignore[misc]
-    return original
+                        scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
+                        online_predictor=not args.no_online_predictor,
+                        speculators=() if args.speculate == "none" else DEFAULT_SPECULATORS)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
-    """Replay ``trace`` against a fresh embedded server running ``policy`` (see ``--inject-predictions``)."""
-    seconds: list[float] = []
-    original = None
-    if args.inject_predictions:
-        from treeserve.models import load_model
-        from treeserve.predictor import load_predictor
-
-        predictor = load_predictor(args.predictor)
-        if predictor.spec.needs_model:
-            predictor.bind(load_model(args.model).model)
-        original = _install_predictor_shim(predictor, seconds)
-    try:
-        return await _replay(args, trace, policy)
-    finally:
-        if original is not None:
-            import treeserve.actors.scheduler as scheduler_module
-
-            scheduler_module.SchedulerActor = original
-            if seconds:
-                _log(f"{policy}: {len(seconds)} predictions, mean {1000 * float(np.mean(seconds)):.1f} ms, "
-                     f"max {1000 * max(seconds):.1f} ms (in the scheduler's event loop)")
+    """Replay ``trace`` against a fresh embedded server running ``policy`` (results in trace order)."""
+    return await _replay(args, trace, policy)
 
 
 async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
@@ -333,7 +282,8 @@ async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], pol
                 done = await client.generate(prompt, max_tokens=int(entry["max_tokens"]), speculate=args.speculate)
                 finished = loop.time()
                 sent = finished - done.client_total_s
-                return JobResult(sent - start, sent - start + done.queue_s, finished - start, done.num_generated_tokens)
+                return JobResult(sent - start, sent - start + done.queue_s, finished - start, done.num_generated_tokens,
+                                 done.predicted_len, done.num_prompt_tokens)
 
             results = await asyncio.gather(*(one(e) for e in trace))
     return list(results)
@@ -426,6 +376,13 @@ def _table(per_policy: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _load_latency(args: argparse.Namespace) -> LatencyModel:
+    """The ``--calibrate`` fit for the ``--speculate`` mode (chain uses the tree fit)."""
+    fit = json.loads(args.latency_model.read_text(encoding="utf-8"))[args.speculate if args.speculate != "chain" else "tree"]
+    fit["measured"] = {}
+    return LatencyModel(**fit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
     parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_small.jsonl")
@@ -436,10 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--row-capacity", type=int, default=1024)
     parser.add_argument("--max-wait-s", type=float, default=30.0, help="SSJF/HRRN aging bound")
     parser.add_argument("--speculate", default="tree", choices=["tree", "chain", "none"])
-    parser.add_argument("--inject-predictions", action="store_true",
-                        help="give the in-process scheduler predicted_len from --predictor (a shim until the "
-                             "scheduler does it itself)")
-    parser.add_argument("--predictor", type=Path, default=None, help=".npz predictor (default: the shipped one)")
+    parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
+    parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
     parser.add_argument("--make-trace", type=Path, default=None,
                         help="write a trace of --num-jobs random MT-Bench/HumanEval/GSM8K prompts here and exit")
     parser.add_argument("--trace-rate", type=float, default=1.0, help="mean arrivals/s of --make-trace")
@@ -473,15 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.latency_model.parent.mkdir(parents=True, exist_ok=True)
             args.latency_model.write_text(json.dumps(fits, indent=1), encoding="utf-8")
     elif args.simulate:
-        latency = LatencyModel()
-        if args.latency_model is not None:
-            fit = json.loads(args.latency_model.read_text(encoding="utf-8"))[args.speculate if args.speculate != "chain" else "tree"]
-            fit["measured"] = {}
-            latency = LatencyModel(**fit)
+        latency = LatencyModel() if args.latency_model is None else _load_latency(args)
         if args.jobs is None:
             raise SystemExit("--simulate needs --jobs (a predictions CSV from treeserve train-predictor --predictions-out)")
         pool = read_jobs_csv(args.jobs, args.max_tokens)
-        policies = list(dict.fromkeys(list(args.policy) + ["sjf-oracle"]))
+        policies = list(dict.fromkeys(list(args.policy) + ["ssjf-max-tokens", "sjf-oracle"]))
         rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
                      loads=args.loads, num_jobs=args.num_jobs, seed=args.seed)
         out["simulation"] = {"latency_model": asdict(latency), "num_rows": args.num_rows, "sweep": rows}
@@ -504,6 +455,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[policy] = asyncio.run(replay(args, trace, policy))
             _log(f"{policy}: " + json.dumps(summarize(results[policy])))  # partial results survive a later failure
         out["policies"] = with_ratios({p: summarize(r) for p, r in results.items()})
+        if args.latency_model is not None:
+            latency = _load_latency(args)
+            for policy, rows in results.items():
+                jobs = [SimJob(r.arrival_s, r.num_prompt_tokens, int(e["max_tokens"]), r.num_tokens, r.predicted_len)
+                        for r, e in zip(rows, trace)]
+                simulated = summarize(simulate(jobs, policy, latency, num_rows=args.num_rows,
+                                               max_wait_s=args.max_wait_s))["mean_jct_s"]
+                real = out["policies"][policy]["mean_jct_s"]
+                out["policies"][policy]["sim_mean_jct_s"] = simulated
+                out["policies"][policy]["sim_error"] = simulated / real - 1.0
+                _log(f"{policy}: simulator mean JCT {simulated:.2f} s vs real {real:.2f} s ({simulated / real - 1:+.1%})")
         out["config"] = {"trace": str(args.trace), "num_rows": args.num_rows, "speculate": args.speculate,
                          "max_wait_s": args.max_wait_s, "model": args.model}
         _log("\n" + _table(out["policies"]))

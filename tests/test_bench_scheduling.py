@@ -133,25 +133,10 @@ def test_shipped_trace_is_valid_and_from_permissive_sets() -> None:
     json.dumps(entries)
 
 
-def test_prediction_shim_sets_predicted_len_capped_at_max_tokens() -> None:
-    from treeserve.actors.policy import QueuedRequest, make_policy
-
-    class FakeRequest:
-        def __init__(self, ids: list[int]) -> None:
-            self.prompt_ids = ids
-
-    class FakeScheduler:
-        _requests = {"short": FakeRequest([1]), "long": FakeRequest([1] * 50)}
-
-    class LengthTimesTen:
-        def predict_from_prompt_ids(self, ids: list[int]) -> float:
-            return 10.0 * len(ids)
-
-    seconds: list[float] = []
-    policy = sched._PredictingPolicy(make_policy("ssjf", max_wait_s=100.0), FakeScheduler(), LengthTimesTen(), seconds)
-    policy.add(QueuedRequest("long", 0.0, 50, 128), 0.0)
-    policy.add(QueuedRequest("short", 1.0, 1, 128), 1.0)
-    assert len(policy) == 2 and "long" in policy and len(seconds) == 2
-    first, second = policy.select(2.0, 2)
-    assert (first.request_id, first.predicted_len) == ("short", 10.0)
-    assert (second.request_id, second.predicted_len) == ("long", 128.0)  # 500 capped at max_tokens
+def test_the_max_tokens_ablation_ignores_predictions() -> None:
+    jobs = [sched.SimJob(0.0, 5, 100, 3, predicted_len=3.0), sched.SimJob(0.0, 5, 100, 1, predicted_len=1.0)]
+    ablation = sched.simulate(jobs, "ssjf-max-tokens", UNIT, num_rows=1)
+    # Equal max_tokens and no predictions: SSJF falls back to arrival order, like FCFS...
+    assert ablation == sched.simulate(jobs, "fcfs", UNIT, num_rows=1)
+    # ...while with the predictions it runs the shorter job first.
+    assert ablation != sched.simulate(jobs, "ssjf", UNIT, num_rows=1)

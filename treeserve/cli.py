@@ -27,6 +27,7 @@ from treeserve import __version__
 DTYPES = ("float32", "bfloat16")
 SPECULATE = ("none", "chain", "tree")
 DEFAULT_EXPANSION = "1,1,3,1,1,1,1,1"
+DISTILL_SETS = ("alpacaeval", "arenahard", "gsm8k")
 
 
 class UserError(Exception):
@@ -96,7 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--expansion", default=DEFAULT_EXPANSION, help="expansion config of model speculators")
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel verifier ranks")
-    serve.add_argument("--scheduler", choices=("fcfs", "ssjf", "hrrn", "sjf-oracle"), default="fcfs")
+    serve.add_argument("--scheduler", choices=("fcfs", "ssjf", "hrrn", "sjf-oracle"), default="fcfs",
+                       help="admission order; ssjf/hrrn use the output-length predictor")
+    serve.add_argument("--max-wait-s", type=float, default=30.0,
+                       help="aging bound of ssjf/hrrn: a request waits at most about this long behind later ones")
+    serve.add_argument("--predictor", type=Path, default=None,
+                       help="length predictor .npz from `treeserve train-predictor` (default: the shipped one)")
+    serve.add_argument("--no-online-predictor", action="store_true",
+                       help="do not refine the predictor from completed requests")
+    serve.add_argument("--no-adaptive", action="store_true",
+                       help="always draft max-size token trees instead of sizing them by batch and measured gain")
     serve.add_argument("--dtype", choices=DTYPES, default="float32")
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     serve.add_argument("--num-rows", type=int, default=16, help="concurrent requests (KV-cache rows)")
@@ -109,6 +119,29 @@ def build_parser() -> argparse.ArgumentParser:
     from treeserve.predictor import add_arguments as add_predictor_arguments
 
     add_predictor_arguments(train)
+
+    distill = sub.add_parser(
+        "distill", help="distil small speculative models (SSMs) from the model by boost-tuning (see treeserve.ops.distill)"
+    )
+    add_model_flags(distill)
+    distill.add_argument("--prompts", type=Path, nargs="+", default=[Path(f"bench/data/{n}.jsonl") for n in DISTILL_SETS],
+                         help="JSONL prompt files (never the evaluation sets mtbench/humaneval)")
+    distill.add_argument("--work-dir", type=Path, default=None,
+                         help="teacher data and checkpoints; a rerun resumes from them (default: <cache>/distill/<model>)")
+    distill.add_argument("--out", type=Path, default=None, help="weights file (default: <work-dir>/ssm.safetensors)")
+    distill.add_argument("--max-prompts", type=int, default=800)
+    distill.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length cap")
+    distill.add_argument("--batch-size", type=int, default=16, help="teacher generation batch")
+    distill.add_argument("--num-ssms", type=int, default=2)
+    distill.add_argument("--layers", type=int, default=1, help="decoder layers per SSM")
+    distill.add_argument("--ffn-dim", type=int, default=1024)
+    distill.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
+    distill.add_argument("--epochs", type=int, default=3, help="epochs of the first SSM")
+    distill.add_argument("--boost-epochs", type=int, default=2, help="epochs of each boost-tuned SSM")
+    distill.add_argument("--lr", type=float, default=2e-3)
+    distill.add_argument("--tokens-per-batch", type=int, default=1024)
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
     node = sub.add_parser("node", help="offer this host's devices to a head server")
     node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
@@ -185,6 +218,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         tp=args.tp,
         scheduler=args.scheduler,
+        max_wait_s=args.max_wait_s,
+        predictor=None if args.predictor is None else str(args.predictor),
+        online_predictor=not args.no_online_predictor,
+        adaptive_speculation=not args.no_adaptive,
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
         speculators=_speculators_from_flags(args.speculator, expansion),
@@ -410,9 +447,79 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
     return int(run(args) or 0)
 
 
+class _StageProgress:
+    """Prints ``stage done/total`` with elapsed time and an estimate of the stage's rest, at most every few seconds."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self.stage = ""
+        self.stage_started = 0.0
+        self.first_done = 0
+        self.last_print = 0.0
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if stage != self.stage:
+            self.stage, self.stage_started, self.first_done, self.last_print = stage, now, done - 1, 0.0
+        if now - self.last_print < self.every_s and done < total:
+            return
+        self.last_print = now
+        elapsed = now - self.stage_started
+        rate = (done - self.first_done) / elapsed if elapsed > 0 else 0.0
+        eta = f", about {(total - done) / rate:.0f} s left" if rate > 0 and done < total else ""
+        _progress(f"{stage}: {done}/{total} ({elapsed:.0f} s{eta})")
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.models import DEFAULT_MODEL, load_model, resolve_cache_dir
+    from treeserve.ops.distill import BoostConfig, read_prompts, run_distillation, select_prompts
+
+    torch.set_num_threads(max(args.threads, 1))
+    try:
+        config = BoostConfig(num_ssms=args.num_ssms, num_layers=args.layers, ffn_dim=args.ffn_dim,
+                             draft_vocab_size=args.draft_vocab, num_epochs=args.epochs,
+                             num_boost_epochs=args.boost_epochs, lr=args.lr, boost_lr=args.lr / 2,
+                             tokens_per_batch=args.tokens_per_batch, seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    for path in args.prompts:
+        if not path.is_file():
+            raise UserError(f"no prompt file {path}")
+        if path.stem in ("mtbench", "humaneval"):
+            raise UserError(f"{path} is an evaluation set: distilling on it would inflate the benchmark")
+    name = args.model or DEFAULT_MODEL
+    work_dir = args.work_dir or resolve_cache_dir(args.cache_dir) / "distill" / Path(name).stem.lower()
+    out = args.out or work_dir / "ssm.safetensors"
+    if (work_dir / "teacher").exists():
+        _progress(f"resuming from the checkpoints in {work_dir}")
+    loaded = load_model(name, dtype=torch.float32, cache_dir=_cache_dir(args), progress=_progress)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    model.requires_grad_(False)
+    prompts = select_prompts(tokenizer, read_prompts(args.prompts), max_prompts=args.max_prompts, seed=args.seed)
+    _progress(f"{len(prompts)} prompts, work dir {work_dir}")
+    started = time.perf_counter()
+    try:
+        result = run_distillation(
+            model, prompts, stop_ids=tokenizer.stop_ids, work_dir=work_dir, out_path=out, config=config,
+            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=_StageProgress(),
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    agreement = ", ".join(f"{a:.3f}" for a in result.heldout_agreement)
+    _progress(
+        f"wrote {result.path} ({result.path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - started:.0f} s: "
+        f"{result.num_train_sequences} training sequences ({result.num_train_tokens} positions), held-out top-1 "
+        f"agreement of SSMs 1..k together: {agreement}; draft vocabulary covers {result.draft_vocab_coverage:.3f}"
+    )
+    print(result.path)
+    return 0
+
+
 COMMANDS = {
     "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
-    "train-predictor": cmd_train_predictor,
+    "train-predictor": cmd_train_predictor, "distill": cmd_distill,
 }
 
 

@@ -140,7 +140,8 @@ class Completion:
     """A finished generation: full ``text`` and ``token_ids``, why it stopped
     (``"stop"`` or ``"length"``), the gateway's stats (``ttft_s``/``total_s``/``queue_s``
     measured by the scheduler; ``mean_accepted_per_step`` is tokens emitted per verifier
-    step, the speculation gain) and ``client_ttft_s``/``client_total_s`` as seen here."""
+    step, the speculation gain), ``client_ttft_s``/``client_total_s`` as seen here, and
+    ``predicted_len`` (the server's output-length prediction, when it orders by one)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -154,6 +155,7 @@ class Completion:
     total_s: float
     client_ttft_s: float
     client_total_s: float
+    predicted_len: float | None = None
 
 
 class _Failed:
@@ -479,6 +481,7 @@ def _completion(end: dict[str, Any], ttft_s: float | None, total_s: float) -> Co
         total_s=float(end.get("total_s", 0.0)),
         client_ttft_s=total_s if ttft_s is None else ttft_s,
         client_total_s=total_s,
+        predicted_len=None if end.get("predicted_len") is None else float(end["predicted_len"]),
     )
 
 

@@ -234,6 +234,10 @@ class Predictor:
 
     predict = predict_from_prompt_ids
 
+    def prompt_features(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """The feature vector of one prompt (``hidden`` predictors need :meth:`bind` first)."""
+        return features(self.spec, prompt_ids, self._truncated)
+
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
         meta = {"format_version": _FORMAT_VERSION, "spec": self.spec.__dict__, "max_tokens": self.max_tokens,

@@ -53,6 +53,14 @@ class ServerConfig:
     ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
     host's cores divided by the shards on it). Processes that share cores must not each use
     them all: oversubscribed OpenMP threads spin against each other and run many times slower.
+    ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
+    proxy model predicts, run by a length-predictor actor (a child process with one thread):
+    ``predictor`` is a ``.npz`` from ``treeserve train-predictor`` (None: the shipped one, which
+    is used only for the model it was trained on; for other models these policies order by
+    ``max_tokens``); ``online_predictor`` refines it from completed requests. ``max_wait_s`` is
+    the aging bound: no request waits longer than about that behind later arrivals.
+    ``adaptive_speculation``: size each step's token trees (up to ``max_tree_nodes`` per row) from
+    the measured acceptance and step cost at the current batch size, down to plain decoding.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -80,6 +88,9 @@ class ServerConfig:
     num_nodes: int = 0
     cluster_bind: str = "tcp://127.0.0.1:5556"
     node_wait_timeout_s: float = 300.0
+    predictor: str | None = None
+    online_predictor: bool = True
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -155,6 +166,8 @@ class Server:
         self.model_info: dict[str, Any] = {}
         self.verifier_supervisor: Any = None
         self.speculator_supervisor: Any = None
+        self.predictor: ActorRef | None = None
+        self.predictor_supervisor: Any = None
         self._closed = False
 
     async def __aenter__(self) -> Server:
@@ -267,6 +280,7 @@ class Server:
                     for i in range(cfg.num_speculator_actors)
                 )))
 
+        predictor = await self._start_predictor(supervisor_config)
         scheduler_config = SchedulerConfig(
             num_rows=cfg.num_rows,
             row_capacity=cfg.row_capacity,
@@ -274,10 +288,11 @@ class Server:
             policy=cfg.scheduler,
             max_wait_s=cfg.max_wait_s,
             max_tree_nodes=cfg.max_tree_nodes,
+            adaptive_speculation=cfg.adaptive_speculation,
             step_timeout_s=cfg.step_timeout_s,
         )
         self.scheduler = await rt.spawn(
-            SchedulerActor, scheduler_config, self.verifiers, self.speculators, name="scheduler"
+            SchedulerActor, scheduler_config, self.verifiers, self.speculators, predictor, name="scheduler"
         )
         gateway_config = GatewayConfig(
             bind=cfg.bind,
@@ -291,6 +306,35 @@ class Server:
         await rt.node.host("gateway", gateway)
         self._gateway = gateway
         self._report(f"serving on {self.endpoint}")
+
+    async def _start_predictor(self, supervisor_config: SupervisorConfig) -> ActorRef | None:
+        """Spawn the length predictor when the policy orders by predicted length (else None)."""
+        from treeserve.actors.length_predictor import LengthPredictorActor
+        from treeserve.actors.scheduler import PREDICTION_POLICIES
+        from treeserve.predictor import load_predictor
+
+        cfg = self.config
+        if cfg.scheduler not in PREDICTION_POLICIES:
+            return None
+        predictor = await asyncio.to_thread(load_predictor, cfg.predictor)
+        if cfg.predictor is None and predictor.meta.get("model") != cfg.model:
+            self._report(f"no length predictor for {cfg.model!r} (the shipped one is for {predictor.meta.get('model')!r}): "
+                         f"{cfg.scheduler} orders by max_tokens; train one with `treeserve train-predictor`")
+            return None
+        info = self.model_info
+        if predictor.spec.needs_model and (
+            predictor.mean.shape[0] != 2 * int(info["dim"]) + 1 or predictor.spec.num_layers > int(info["num_layers"])
+        ):
+            raise ValueError(f"predictor {cfg.predictor} reads {predictor.mean.shape[0]} features of "
+                             f"{predictor.spec.num_layers} blocks, which model {cfg.model!r} does not give: "
+                             "train one for this model (treeserve train-predictor)")
+        self._report("starting the length predictor")
+        supervisor = self.predictor_supervisor = self.runtime.supervisor(supervisor_config, name="predictor-supervisor")
+        config = {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": cfg.device, "predictor": cfg.predictor,
+                  "num_threads": 1, "online": cfg.online_predictor}
+        self.predictor = await self.runtime.spawn(
+            LengthPredictorActor, config, name="length-predictor", process="child", supervisor=supervisor)
+        return self.predictor
 
     async def _spawn_shard(self, shard: dict[str, Any], supervisor: Any, agents: list[ActorRef]) -> ActorRef:
         """Rank 0 (and every rank without nodes) runs as a child here; other ranks on nodes."""

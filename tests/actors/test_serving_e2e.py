@@ -79,14 +79,20 @@ async def generate_all(client: Client, speculate: str, max_tokens: int) -> list[
     return [list(c.token_ids) for c in completions]
 
 
-async def test_greedy_output_identical_to_incremental(tiny_folder: Path) -> None:
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-trees"])
+async def test_greedy_output_identical_to_incremental(tiny_folder: Path, adaptive: bool) -> None:
     expected = [reference(p, 24) for p in PROMPTS]
-    async with Server(config(tiny_folder)) as server, Client(server.endpoint) as client:
+    async with Server(config(tiny_folder, adaptive_speculation=adaptive)) as server, \
+            Client(server.endpoint) as client:
         for speculate in ("none", "chain", "tree"):
             assert await generate_all(client, speculate, 24) == expected, speculate
         stats = await wait_for_stats(server, lambda st: st["num_free_rows"] == 4)
         assert stats["num_completed"] == 3 * len(PROMPTS)
         assert stats["num_free_rows"] == 4 and stats["num_running"] == 0
+        # The adaptive policy saw every step and sized the trees within the configured cap.
+        assert ("adaptive" in stats) is adaptive
+        if adaptive:
+            assert stats["adaptive"]["num_steps"] == stats["num_steps"]
 
 
 async def test_tp2_equals_tp1(tiny_folder: Path) -> None:

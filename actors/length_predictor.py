@@ -1,0 +1,175 @@
+"""``LengthPredictorActor``: the SSJF proxy model as an actor that predicts output lengths.
+
+The scheduler asks it for every queued request (``ssjf`` and ``hrrn`` order by predicted
+service) and tells it how each request ended, so the head can learn online.
+
+Config dict::
+
+    {"model": str, "cache_dir": str|None, "device": "cpu"|"cuda:N",
+     "predictor": str|None, "num_threads": int|None,
+     "online": bool, "max_pending": int}
+
+``model`` is the served LM; a ``hidden`` predictor runs its first blocks (float32, as trained)
+and the rest of the model is dropped after loading. ``predictor`` is an ``.npz`` written by
+``treeserve train-predictor`` (None: the shipped one). With ``online`` the head is refined from
+completed requests by :class:`treeserve.predictor.OnlineHead` (bounded buffer, a ridge re-solve
+every few requests). Handlers:
+
+* ``predict {"request_id", "prompt_ids"}`` -> ``{"predicted_len": float}``: predicted output
+  tokens (clipped to ``[1, predictor cap]``). The features are kept (at most ``max_pending``
+  requests, oldest dropped first) until ``observe`` for that request.
+* ``observe {"request_id", "num_generated_tokens", "is_censored"}`` -> None: the request
+  ended. ``is_censored`` means the length is only a lower bound (stopped by ``max_tokens``
+  below the predictor's own cap, or cancelled); such requests teach nothing and are dropped.
+* ``stats`` -> counters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from treeserve.actors.verifier import SerialOffload, _body, _int
+from treeserve.runtime import Actor, handler
+
+
+@dataclass(frozen=True)
+class LengthPredictorConfig:
+    """Validated config of a :class:`LengthPredictorActor` (see the module docstring)."""
+
+    model: str
+    cache_dir: str | None = None
+    device: str = "cpu"
+    predictor: str | None = None
+    num_threads: int | None = None
+    online: bool = True
+    max_pending: int = 4096
+
+    @classmethod
+    def from_wire(cls, config: Any) -> LengthPredictorConfig:
+        """Build from the constructor dict; ``ValueError`` names the bad key."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"LengthPredictorActor config must be a dict, got {type(config).__name__}")
+        known = {"model", "cache_dir", "device", "predictor", "num_threads", "online", "max_pending"}
+        unknown = sorted(str(k) for k in config if k not in known)
+        if unknown:
+            raise ValueError(f"unknown LengthPredictorActor config keys {unknown}; known keys: {sorted(known)}")
+        model = config.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model must be a registry name, .gguf path or folder, got {model!r}")
+        for name in ("cache_dir", "predictor"):
+            if config.get(name) is not None and not isinstance(config[name], str):
+                raise ValueError(f"{name} must be a string or null, got {config[name]!r}")
+        device = config.get("device", "cpu")
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        num_threads = config.get("num_threads")
+        if num_threads is not None:
+            _int(num_threads, "num_threads", minimum=1)
+        online = config.get("online", True)
+        if not isinstance(online, bool):
+            raise ValueError(f"online must be true or false, got {online!r}")
+        max_pending = _int(config.get("max_pending", 4096), "max_pending", minimum=1)
+        return cls(model, config.get("cache_dir"), device, config.get("predictor"), num_threads, online, max_pending)
+
+
+class LengthPredictorActor(Actor):
+    """Serves ``predict`` / ``observe`` / ``stats`` over a trained length predictor."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = LengthPredictorConfig.from_wire(config)
+        self._offload = SerialOffload()
+        self._predictor: Any = None
+        self._online: Any = None
+        self._vocab_size = 0
+        self._pending: OrderedDict[str, np.ndarray] = OrderedDict()  # request_id -> features
+        self._counters = {"num_predicted": 0, "num_observed": 0, "num_censored": 0, "num_unknown": 0}
+
+    async def on_start(self) -> None:
+        """Load the predictor (and the model's first blocks when it needs them)."""
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        await self._offload.run(self._load)
+
+    def _load(self) -> None:
+        from treeserve.models import load_model
+        from treeserve.predictor import OnlineHead, load_predictor
+
+        cfg = self.config
+        predictor = load_predictor(cfg.predictor)
+        model = load_model(cfg.model, dtype=torch.float32, cache_dir=cfg.cache_dir).model
+        self._vocab_size = model.config.vocab_size
+        if predictor.spec.needs_model:
+            expected = 2 * model.config.dim + 1  # see treeserve.predictor.pooled_hidden_features
+            if predictor.mean.shape[0] != expected or predictor.spec.num_layers > model.config.num_layers:
+                raise ValueError(
+                    f"predictor {cfg.predictor or 'shipped'} reads {predictor.mean.shape[0]} features of "
+                    f"{predictor.spec.num_layers} blocks; model {cfg.model!r} gives {expected} features of "
+                    f"{model.config.num_layers} blocks: train one for this model (treeserve train-predictor)"
+                )
+            # Keep only the blocks the features read; the rest of the model is freed.
+            predictor.bind(model.to(cfg.device))
+        self._predictor = predictor
+        self._online = OnlineHead(predictor) if cfg.online else None
+
+    # ------------------------------------------------------------------ handlers
+    @handler
+    async def predict(self, body: Any) -> dict[str, float]:
+        """Predicted output tokens of one chat-templated prompt (see the module docstring)."""
+        body = _body(body, ("request_id", "prompt_ids"))
+        request_id = body["request_id"]
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = body["prompt_ids"]
+        if (not isinstance(prompt, (list, tuple)) or not prompt
+                or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size for t in prompt)):
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {self._vocab_size})")
+        value = await self._offload.run(self._predict, request_id, [int(t) for t in prompt])
+        return {"predicted_len": value}
+
+    @handler
+    async def observe(self, body: Any) -> None:
+        """Learn from one ended request (``is_censored`` ones are only forgotten)."""
+        body = _body(body, ("request_id", "num_generated_tokens", "is_censored"))
+        num_tokens = _int(body["num_generated_tokens"], "num_generated_tokens")
+        censored = body["is_censored"]
+        if not isinstance(censored, bool):
+            raise ValueError("is_censored must be true or false")
+        await self._offload.run(self._observe, str(body["request_id"]), num_tokens, censored)
+
+    @handler
+    async def stats(self) -> dict[str, Any]:
+        """Counters: predictions made, observations learnt from / dropped as censored / unknown."""
+        return {**self._counters, "num_pending": len(self._pending), "is_online": self._online is not None}
+
+    # ------------------------------------------------------------------ compute (worker thread)
+    def _predict(self, request_id: str, prompt: list[int]) -> float:
+        predictor = self._predictor
+        x = predictor.prompt_features(prompt)
+        self._pending[request_id] = x
+        self._pending.move_to_end(request_id)
+        while len(self._pending) > self.config.max_pending:
+            self._pending.popitem(last=False)
+        self._counters["num_predicted"] += 1
+        return float(predictor.predict_features(x))
+
+    def _observe(self, request_id: str, num_tokens: int, censored: bool) -> None:
+        x = self._pending.pop(request_id, None)
+        if x is None:
+            self._counters["num_unknown"] += 1
+            return
+        # A request stopped by max_tokens below the training cap only shows a lower bound.
+        if censored and num_tokens < self._predictor.max_tokens:
+            self._counters["num_censored"] += 1
+            return
+        self._counters["num_observed"] += 1
+        if self._online is not None:
+            self._online.observe(x, min(num_tokens, self._predictor.max_tokens))
+
+
+__all__ = ["LengthPredictorActor", "LengthPredictorConfig"]
