@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
 from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
@@ -69,7 +71,8 @@ class SchedulerConfig:
     is queued without one, as if it would run to ``max_tokens``). ``adaptive_speculation``
     sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
     and step cost at the current batch size (:mod:`treeserve.actors.adaptive`); without it every
-    step drafts ``max_tree_nodes``."""
+    step drafts ``max_tree_nodes``. ``use_states``: a speculator drafts from the LLM's hidden
+    states (a ``feature`` drafter): the verifier returns them and they travel with proposals."""
 
     num_rows: int = 8
     row_capacity: int = 2048
@@ -81,6 +84,7 @@ class SchedulerConfig:
     step_timeout_s: float = 300.0
     predict_timeout_s: float = 10.0
     adaptive_speculation: bool = True
+    use_states: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue"):
@@ -120,6 +124,8 @@ class _Request:
     since_propose: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
     needs_history: set[int] = field(default_factory=set)
+    states_pending: list[Any] = field(default_factory=list)  # LLM states not yet sent to speculators
+    states_all: list[Any] = field(default_factory=list)  # every state so far (to rebuild a speculator)
     predicted_len: float | None = None
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -340,8 +346,10 @@ class SchedulerActor(Actor):
                 req.row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
                 req.admitted_s = self.clock()
                 self._running[req.request_id] = req
+                wants_states = self.config.use_states and req.speculate != "none"
                 try:
-                    await self._all_shards("prefill", {"row": req.row, "prompt_ids": req.prompt_ids})
+                    reply = await self._all_shards(
+                        "prefill", {"row": req.row, "prompt_ids": req.prompt_ids, "return_states": wants_states})
                 except ActorError as exc:
                     self._on_verifier_failure(exc)
                     # The rest of this pick already left the queue: fail them too, never drop them.
@@ -352,6 +360,8 @@ class SchedulerActor(Actor):
                             self._fail(pending, ServiceUnavailable(
                                 f"the verifier failed while the request was admitted: {exc.message}", retryable=True))
                     return
+                if wants_states:
+                    self._add_states(req, reply["states"])
                 await self._start_speculators(req)
 
     async def _start_speculators(self, req: _Request) -> None:
@@ -378,8 +388,9 @@ class SchedulerActor(Actor):
             {"row": req.row, "tree": tree_to_wire(tree), "params": params_to_wire(req.params), "request_id": req.request_id}
             for req, tree in zip(batch, trees)
         ]
+        wants_states = self.config.use_states and any(r.speculate != "none" for r in batch)
         try:
-            reply = await self._all_shards("step", {"rows": rows})
+            reply = await self._all_shards("step", {"rows": rows, "return_states": wants_states})
         except ActorError as exc:
             self._on_verifier_failure(exc)
             return
@@ -404,6 +415,8 @@ class SchedulerActor(Actor):
             taken, finish = emit_until_done(req.emitted, new_tokens, req.params)
             req.accepted_per_step.append(len(result["accepted"]) - 1)
             req.since_propose.extend(taken)
+            if wants_states and req.speculate != "none":
+                self._add_states(req, result["states"])
             if req.first_token_s is None:
                 req.first_token_s = now
             if not req.is_cancelled:
@@ -436,6 +449,10 @@ class SchedulerActor(Actor):
                     }
                     if index in req.needs_history:
                         entry["history"] = req.prompt_ids + req.emitted
+                        if req.states_all:
+                            entry["states"] = np.concatenate(req.states_all)
+                    elif req.states_pending:
+                        entry["states"] = np.concatenate(req.states_pending)
                     entries.append(entry)
                 calls.append(spec.ask("propose", {"requests": entries}, timeout=self.config.step_timeout_s))
             results = await asyncio.gather(*calls, return_exceptions=True)
@@ -453,6 +470,7 @@ class SchedulerActor(Actor):
                         per_request[req.request_id].append(tree_from_wire(wire))
             for req in speculating:
                 req.since_propose.clear()
+                req.states_pending.clear()
                 # A speculator left out this step missed these tokens: rebuild it from the history.
                 req.needs_history.update(i for i in range(len(self.speculators)) if i not in asked)
         trees = []
@@ -463,6 +481,12 @@ class SchedulerActor(Actor):
                 tree = tree.first_chain()
             trees.append(self._fit(tree, req))
         return trees
+
+    @staticmethod
+    def _add_states(req: _Request, states: Any) -> None:
+        array = np.asarray(states)
+        req.states_pending.append(array)
+        req.states_all.append(array)
 
     def _fit(self, tree: TokenTree, req: _Request) -> TokenTree:
         """Trim to the tokens still allowed (depth only: a depth cut does not depend on the draws)."""

@@ -15,7 +15,7 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
 
 * ``start {"request_id", "prompt_ids"}`` -> None: fresh per-request state (one instance per kind).
 * ``propose {"requests": [{"request_id", "new_tokens", "max_depth", "params", "max_nodes"?,
-  "history"?}]}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees
+  "history"?, "states"?}]}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees
   in request order. Each request first advances by ``new_tokens`` (emitted since its last
   propose: accepted drafts then the bonus token; empty on the first call), then every
   speculator proposes a tree rooted at the request's last token with nodes at most
@@ -30,7 +30,10 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
   length plus ``new_tokens`` does not match the history (an earlier propose was lost).
   Otherwise the entry's tree is root-only (rooted at ``new_tokens[-1]``; None when
   ``new_tokens`` is empty, the root being unknown) and its id is listed in ``missing``, so the
-  caller sends ``history`` next time.
+  caller sends ``history`` next time. ``states`` (float ``(n, D)``) are the LLM's final hidden
+  states of the request's tokens since the last ones sent, in order (with ``history``: of all
+  of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
+  "expansion": [3, 2, 2, 1, 1, 1]}``: the greedy spine's widths) draft from them.
 * ``release {"request_id"}`` -> None (idempotent).
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a
@@ -45,7 +48,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from treeserve.actors.tree_wire import params_from_wire, tree_to_wire
 from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _int
@@ -62,6 +67,7 @@ _KIND_KEYS: Mapping[str, frozenset[str]] = {
     "self": frozenset({"kind", "layers", "expansion"}),
     "model": frozenset({"kind", "model", "expansion"}),
     "distilled": frozenset({"kind", "path", "index", "expansion"}),
+    "feature": frozenset({"kind", "path", "expansion"}),
 }
 
 
@@ -92,6 +98,11 @@ class SpeculatorSpec:
             options["expansion"] = validate_expansion(options["expansion"])
             if kind == "self":
                 _int(options.get("layers"), "self speculator layers", minimum=1)
+            elif kind == "feature":
+                # path: a `treeserve distill-features` file (default: the shipped one); expansion:
+                # the greedy spine's widths per depth.
+                if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
+                    raise ValueError("a 'feature' speculator's 'path' must be a weights file path or null")
             elif kind == "distilled":
                 # path: a `treeserve distill` weights file (default: the shipped one); index: which SSM in it.
                 if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
@@ -202,6 +213,10 @@ class SpeculatorActor(Actor):
                 if not spec.options["index"] < len(ssms):
                     raise ValueError(f"distilled speculator index {spec.options['index']} but the file has {len(ssms)} SSMs")
                 self._drafters.append(ssms[spec.options["index"]])
+            elif spec.kind == "feature":
+                from treeserve.ops.feature_drafter import load_feature_drafter
+
+                self._drafters.append(load_feature_drafter(model, spec.options.get("path")))  # FileNotFoundError if absent
             else:
                 self._drafters.append(None)
 
@@ -226,9 +241,10 @@ class SpeculatorActor(Actor):
         vocab = self._vocab_size()
         parsed = []
         for entry in entries:
-            entry = _body(entry, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes"))
+            entry = _body(entry, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes", "states"))
             history = entry.get("history")
             max_nodes = entry.get("max_nodes")
+            states = None if entry.get("states") is None else _states(entry["states"], self._model_dim())
             parsed.append((
                 _request_id(entry["request_id"]),
                 _token_list(entry["new_tokens"], "new_tokens", vocab),
@@ -236,6 +252,7 @@ class SpeculatorActor(Actor):
                 params_from_wire(entry["params"]),
                 None if history is None else _token_list(history, "history", vocab),
                 None if max_nodes is None else _int(max_nodes, "max_nodes", minimum=1),
+                states,
             ))
         trees, missing = await self._offload.run(self._propose_all, parsed)
         return {"trees": [None if t is None else tree_to_wire(t) for t in trees], "missing": missing}
@@ -248,6 +265,10 @@ class SpeculatorActor(Actor):
         await self._offload.run(self._states.pop, request_id, None)
 
     # ------------------------------------------------------------------ compute (worker thread)
+    def _model_dim(self) -> int:
+        assert self._model is not None
+        return self._model.config.dim
+
     def _vocab_size(self) -> int:
         assert self._model is not None
         return self._model.config.vocab_size
@@ -258,6 +279,16 @@ class SpeculatorActor(Actor):
         for spec, drafter in zip(self.config.speculators, self._drafters):
             if spec.kind == "ngram":
                 speculators.append(NGramSpeculator(vocab, **spec.options))
+            elif spec.kind == "distilled":
+                from treeserve.ops.ssm import DistilledSpeculator, DistilledSSM
+
+                assert isinstance(drafter, DistilledSSM)
+                speculators.append(DistilledSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity))
+            elif spec.kind == "feature":
+                from treeserve.ops.feature_drafter import FeatureDrafter, FeatureSpeculator
+
+                assert isinstance(drafter, FeatureDrafter)
+                speculators.append(FeatureSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity))
             else:
                 assert drafter is not None
                 speculators.append(ModelSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity))
@@ -266,11 +297,11 @@ class SpeculatorActor(Actor):
         self._states[request_id] = _RequestState(speculators, tokens[-1], history_len=len(tokens))
 
     def _propose_all(
-        self, requests: Sequence[tuple[str, list[int], int, SamplingParams, list[int] | None, int | None]]
+        self, requests: Sequence[tuple[str, list[int], int, SamplingParams, list[int] | None, int | None, Tensor | None]]
     ) -> tuple[list[TokenTree | None], list[str]]:
         trees: list[TokenTree | None] = []
         missing: list[str] = []
-        for request_id, new_tokens, max_depth, params, history, max_nodes in requests:
+        for request_id, new_tokens, max_depth, params, history, max_nodes, states in requests:
             state = self._states.get(request_id)
             is_in_step = state is not None and state.history_len + len(new_tokens) == len(history or ())
             if history and not is_in_step:
@@ -287,6 +318,11 @@ class SpeculatorActor(Actor):
                     speculator.accept(new_tokens)
                 state.last_token = new_tokens[-1]
                 state.history_len += len(new_tokens)
+            if states is not None and states.shape[0]:
+                # The LLM's states of the tokens before the root (all of them with a history).
+                for speculator in state.speculators:
+                    if getattr(speculator, "uses_features", False):
+                        speculator.add_features(states)  # type: ignore[attr-defined]
             trees.append(self._draft(state, params, max_depth, max_nodes))
         return trees, missing
 
@@ -309,6 +345,14 @@ class SpeculatorActor(Actor):
         if tree.root_token != state.last_token:
             raise RuntimeError(f"a speculator drafted from token {tree.root_token}, expected {state.last_token}")
         return tree
+
+
+def _states(value: Any, dim: int) -> Tensor:
+    """A ``(n, dim)`` float array from the wire (the LLM's hidden states) as a torch tensor."""
+    array = np.asarray(value)
+    if array.ndim != 2 or array.shape[1] != dim or not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"states must be a float array of shape (n, {dim}), got {array.dtype} {array.shape}")
+    return torch.from_numpy(np.array(array, dtype=np.float32))
 
 
 def _request_id(value: Any) -> str:

@@ -36,7 +36,13 @@ import torch
 from torch import Tensor
 
 from treeserve.actors.tree_wire import params_from_wire, tree_from_wire
-from treeserve.ops.batch_step import RowStep, prefill_row, verify_rows
+from treeserve.ops.batch_step import (
+    RowStep,
+    prefill_row,
+    prefill_row_with_states,
+    verify_rows,
+    verify_rows_with_states,
+)
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator
@@ -258,9 +264,11 @@ class VerifierShard(Actor):
         return dict(self._info)
 
     @handler
-    async def prefill(self, body: Any) -> dict[str, int]:
-        """Reset ``row`` and commit ``prompt_ids[:-1]``; the last prompt token is the first root."""
-        body = _body(body, ("row", "prompt_ids"))
+    async def prefill(self, body: Any) -> dict[str, Any]:
+        """Reset ``row`` and commit ``prompt_ids[:-1]``; the last prompt token is the first root.
+        With ``"return_states": true`` the reply carries ``"states"``: the model's final hidden
+        states of ``prompt_ids[:-1]`` (float32 ``(n, D)``, for feature-level drafters)."""
+        body = _body(body, ("row", "prompt_ids"), ("return_states",))
         model, cache = await self._ready()
         row = self._row(body["row"])
         prompt = body["prompt_ids"]
@@ -272,13 +280,18 @@ class VerifierShard(Actor):
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
             )
+        if body.get("return_states") is True:
+            length, states = await self._offload.run(prefill_row_with_states, model, cache, row, prompt[:-1])
+            return {"row": row, "length": length, "states": states.float().cpu().contiguous()}
         length = await self._offload.run(prefill_row, model, cache, row, prompt[:-1])
         return {"row": row, "length": length}
 
     @handler
     async def step(self, body: Any) -> dict[str, Any]:
-        """Verify one token tree per given row in batched forwards; commit each accepted path."""
-        body = _body(body, ("rows",))
+        """Verify one token tree per given row in batched forwards; commit each accepted path.
+        With ``"return_states": true`` each row's reply carries ``"states"``: the final hidden
+        states of its accepted nodes, root first (float32 ``(len(accepted), D)``)."""
+        body = _body(body, ("rows",), ("return_states",))
         model, cache = await self._ready()
         entries = body["rows"]
         if not isinstance(entries, (list, tuple)) or not entries:
@@ -292,18 +305,20 @@ class VerifierShard(Actor):
             tree = tree_from_wire(entry["tree"])
             params = params_from_wire(entry["params"])
             steps.append(RowStep(self._row(entry["row"]), tree, params, self._generator_for(request_id, params)))
-        results = await self._offload.run(self._verify_rows, model, cache, steps)
-        return {
-            "rows": [
-                {
-                    "row": step.row,
-                    "accepted": list(result.accepted),
-                    "bonus_token": result.bonus_token,
-                    "new_tokens": result.new_tokens(step.tree),
-                }
-                for step, result in zip(steps, results)
-            ]
-        }
+        want_states = body.get("return_states") is True
+        results, states = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
+        rows = [
+            {
+                "row": step.row,
+                "accepted": list(result.accepted),
+                "bonus_token": result.bonus_token,
+                "new_tokens": result.new_tokens(step.tree),
+            }
+            for step, result in zip(steps, results)
+        ]
+        for row, row_states in zip(rows, states):
+            row["states"] = row_states.float().cpu().contiguous()
+        return {"rows": rows}
 
     @handler
     async def release(self, body: Any) -> None:
@@ -329,11 +344,15 @@ class VerifierShard(Actor):
             generator = self._generators[request_id] = make_generator(params)
         return generator
 
-    def _verify_rows(self, model: Transformer, cache: KVCache, steps: list[RowStep]) -> list[VerifyResult]:
+    def _verify_rows(
+        self, model: Transformer, cache: KVCache, steps: list[RowStep], want_states: bool
+    ) -> tuple[list[VerifyResult], list[Tensor]]:
         verifier: VerifyFn = verify
         if self.config.tp_size > 1:
             verifier = rank0_broadcast_verifier(self.config.tp_rank, cache.device if self.config.device != "cpu" else None)
-        return verify_rows(model, cache, steps, verifier=verifier)
+        if want_states:
+            return verify_rows_with_states(model, cache, steps, verifier=verifier)
+        return verify_rows(model, cache, steps, verifier=verifier), []
 
 
 def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: VerifyFn = verify) -> VerifyFn:

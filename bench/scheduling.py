@@ -251,12 +251,12 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 
 def _server_config(args: argparse.Namespace, policy: str, bind: str) -> Any:
-    from treeserve.server import DEFAULT_SPECULATORS, ServerConfig
+    from treeserve.server import ServerConfig
 
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
-                        speculators=() if args.speculate == "none" else DEFAULT_SPECULATORS)
+                        speculators=() if args.speculate == "none" else None)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:

@@ -6,8 +6,11 @@ Measures, with greedy decoding:
 * batch 1: tokens/s, mean tokens per verify step and time to first token for
   ``--speculate none``, ``chain`` and ``tree`` (the modes rotate per prompt, so a noisy
   machine hurts them alike; medians over prompts);
-* total tokens/s and median TTFT with 1, 4 and 16 concurrent clients (tree speculation and
-  no speculation).
+* total tokens/s and median TTFT with 1, 4 and 16 concurrent clients (``--clients``) for no
+  speculation, fixed-size tree speculation (adaptive sizing off: every step drafts
+  ``max_tree_nodes`` per row) and adaptive tree speculation (a second server with adaptive
+  sizing on; key ``tree-adaptive@N``). The adaptive server is warmed up with one pass before
+  it is timed, since its policy learns the step costs and acceptance as it serves.
 
 Usage::
 
@@ -80,20 +83,46 @@ async def run_one(client: Client, prompt: str, speculate: str, max_tokens: int) 
     }
 
 
+async def concurrency(endpoint: str, prompts: list[str], speculate: str, num_clients: int,
+                      max_tokens: int) -> dict[str, float]:
+    """Total tokens/s of ``num_clients`` clients working through ``prompts`` (each at least once)."""
+    jobs = [prompts[i % len(prompts)] for i in range(max(num_clients, len(prompts)))]
+    started = time.perf_counter()
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    runs: list[dict[str, float]] = []
+
+    async def worker() -> None:
+        async with Client(endpoint) as own:
+            while not queue.empty():
+                runs.append(await run_one(own, queue.get_nowait(), speculate, max_tokens))
+
+    await asyncio.gather(*(worker() for _ in range(num_clients)))
+    wall = time.perf_counter() - started
+    return {
+        "total_tokens_per_s": sum(r["num_tokens"] for r in runs) / wall,
+        "median_ttft_s": _median([r["ttft_s"] for r in runs]),
+        "mean_accepted_per_step": _median([r["mean_accepted_per_step"] for r in runs]),
+        "num_requests": len(runs),
+    }
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args)
     modes = ["none", "chain", "tree"]
     with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as tmp:
         config = ServerConfig(
             model=args.model, dtype=args.dtype, bind=f"ipc://{tmp}/gw.sock", num_rows=16,
-            row_capacity=args.row_capacity, scheduler="fcfs",
+            row_capacity=args.row_capacity, scheduler="fcfs", adaptive_speculation=False,
+            max_tree_nodes=args.max_tree_nodes,
         )
         async with Server(config, progress=_log) as server, Client(server.endpoint) as client:
             _log("warm-up")
             for mode in modes:
                 await run_one(client, "Hello!", mode, 8)
             batch1: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(prompts if not args.skip_batch1 else []):
                 order = modes[i % 3:] + modes[: i % 3]
                 for mode in order:
                     batch1[mode].append(await run_one(client, prompt, mode, args.max_tokens))
@@ -101,10 +130,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"{m} {batch1[m][-1]['tokens_per_s']:.1f} tok/s" for m in modes))
             result: dict[str, Any] = {"config": {
                 "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
-                "speculators": [dict(s) for s in config.speculators],
+                "speculators": [dict(s) for s in config.resolved_speculators()], "max_tree_nodes": args.max_tree_nodes,
             }, "batch1": {}, "concurrency": {}}
             base = _median([r["tokens_per_s"] for r in batch1["none"]])
-            for mode in modes:
+            for mode in modes if not args.skip_batch1 else []:
                 tps = _median([r["tokens_per_s"] for r in batch1[mode]])
                 result["batch1"][mode] = {
                     "tokens_per_s": tps,
@@ -113,28 +142,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio_to_none": tps / base if base else 0.0,
                 }
             for speculate in ("none", "tree"):
-                for num_clients in (1, 4, 16):
-                    jobs = [prompts[i % len(prompts)] for i in range(max(num_clients, len(prompts)))]
-                    started = time.perf_counter()
-                    queue: asyncio.Queue[str] = asyncio.Queue()
-                    for job in jobs:
-                        queue.put_nowait(job)
-                    runs: list[dict[str, float]] = []
-
-                    async def worker() -> None:
-                        async with Client(server.endpoint) as own:
-                            while not queue.empty():
-                                runs.append(await run_one(own, queue.get_nowait(), speculate, args.max_tokens))
-
-                    await asyncio.gather(*(worker() for _ in range(num_clients)))
-                    wall = time.perf_counter() - started
+                for num_clients in args.clients:
                     key = f"{speculate}@{num_clients}"
-                    result["concurrency"][key] = {
-                        "total_tokens_per_s": sum(r["num_tokens"] for r in runs) / wall,
-                        "median_ttft_s": _median([r["ttft_s"] for r in runs]),
-                        "num_requests": len(runs),
-                    }
+                    result["concurrency"][key] = await concurrency(
+                        server.endpoint, prompts, speculate, num_clients, args.max_tokens)
                     _log(f"{key}: {result['concurrency'][key]['total_tokens_per_s']:.1f} tok/s total")
+        adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
+        async with Server(adaptive, progress=_log) as server:
+            for num_clients in args.clients:
+                await concurrency(server.endpoint, prompts, "tree", num_clients, args.max_tokens)  # learn
+                key = f"tree-adaptive@{num_clients}"
+                result["concurrency"][key] = await concurrency(
+                    server.endpoint, prompts, "tree", num_clients, args.max_tokens)
+                _log(f"{key}: {result['concurrency'][key]['total_tokens_per_s']:.1f} tok/s total")
+            assert server.scheduler is not None
+            result["adaptive_state"] = (await server.scheduler.ask("stats")).get("adaptive")
     return result
 
 
@@ -147,6 +169,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--row-capacity", type=int, default=1024)
+    parser.add_argument("--max-tree-nodes", type=int, default=64, help="tree cap per row (fixed trees use all of it)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels")
+    parser.add_argument("--skip-batch1", action="store_true", help="only the concurrency runs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = uvloop.run(bench(args))

@@ -5,9 +5,11 @@ prompt ids, for every mode and temperature:
 
 - ``incremental``: :func:`treeserve.ops.speculative.generate_incremental` (the reference);
 - ``chain``: sequence-based speculation (:attr:`SpeculationMode.CHAIN`) with one speculator
-  (the first distilled SSM when there is one, else n-gram); ``chain:<kind>`` picks the kind;
-- ``tree:ngram``, ``tree:distilled`` (when ``treeserve.ops.ssm`` has trained weights; several
-  SSMs are merged) and ``tree:merged`` (every available speculator merged);
+  (the feature drafter when its weights exist, else the first distilled SSM, else n-gram);
+  ``chain:<kind>`` picks the kind;
+- ``tree:ngram``, ``tree:feature`` (the EAGLE-style drafter of ``treeserve.ops.feature_drafter``),
+  ``tree:distilled`` (when ``treeserve.ops.ssm`` has trained weights; several SSMs are merged)
+  and ``tree:merged`` (every available speculator merged);
 - peers on the same weights and dtype: ``hf-generate`` (``generate()``), ``hf-prompt-lookup``
   (``prompt_lookup_num_tokens=10``), and ``llama-cpp`` when ``llama_cpp`` is importable.
 
@@ -48,7 +50,7 @@ from treeserve.ops.speculative import SpeculationMode, generate_incremental, gen
 logger = logging.getLogger("bench.speculative")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:distilled", "tree:merged")
+TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:feature", "tree:distilled", "tree:merged")
 PEER_MODES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
 ALL_MODES = TREESERVE_MODES + PEER_MODES
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -136,6 +138,13 @@ def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None
     available = Available()
     options = NGRAM_OPTIONS if ngram_options is None else ngram_options
     available.speculators["ngram"] = [NGramSpeculator(model.config.vocab_size, **options)]
+    try:
+        from treeserve.ops.feature_drafter import FeatureSpeculator, load_feature_drafter
+
+        available.speculators["feature"] = [FeatureSpeculator(load_feature_drafter(model))]
+    except (FileNotFoundError, ValueError) as exc:
+        logger.warning("feature drafter unavailable, skipping tree:feature (%s)", exc)
+        available.skipped["tree:feature"] = f"{type(exc).__name__}: {exc}"
     if not with_distilled:
         return available
     try:
@@ -184,7 +193,7 @@ def treeserve_modes(model: Transformer, names: Sequence[str], available: Availab
         kind, _, which = name.partition(":")
         spec_mode = SpeculationMode.CHAIN if kind == "chain" else SpeculationMode.TREE
         if kind == "chain":
-            which = which or ("distilled" if "distilled" in specs else "ngram")
+            which = which or next(k for k in ("feature", "distilled", "ngram") if k in specs)
             chosen = specs.get(which, [])[:1]
         elif kind == "tree" and which == "merged":
             chosen = [s for kind_specs in specs.values() for s in kind_specs]

@@ -61,26 +61,45 @@ def prefill_row(model: Transformer, cache: KVCache, row: int, token_ids: Sequenc
     ``[0, len(token_ids))`` of ``row``. Numerically this is the batch-1 causal prefill of the
     single-request loop. An empty ``token_ids`` just resets the row. Raises ``IndexError`` for
     a bad row and :class:`CacheCapacityError` (a ``ValueError``) when the row is too small.
+    :func:`prefill_row_with_states` also returns the model's final hidden states.
     """
+    return _prefill(model, cache, row, [int(t) for t in token_ids])[0]
+
+
+def prefill_row_with_states(
+    model: Transformer, cache: KVCache, row: int, token_ids: Sequence[int]
+) -> tuple[int, Tensor]:
+    """:func:`prefill_row`, also returning the final hidden states ``(n, D)`` of ``token_ids``
+    (what a feature-level drafter reads; ``(0, D)`` for no tokens)."""
+    return _prefill(model, cache, row, [int(t) for t in token_ids], want_states=True)
+
+
+def _prefill(model: Transformer, cache: KVCache, row: int, tokens: list[int], *,
+             want_states: bool = False) -> tuple[int, Tensor]:
     if not 0 <= row < cache.batch_size:
         raise IndexError(f"row {row} out of range for a KV cache of {cache.batch_size} rows")
-    tokens = [int(t) for t in token_ids]
     if len(tokens) > cache.capacity:
         raise CacheCapacityError(f"a prompt of {len(tokens)} tokens does not fit a row of {cache.capacity} slots")
     _check_token_ids(tokens, model.config.vocab_size)
     cache.reset_row(row)
+    states = torch.zeros(0, model.config.dim, dtype=model.dtype, device=cache.device)
     if not tokens:
-        return 0
+        return 0, states
     scratch = model.new_cache(1, len(tokens))
     with torch.no_grad():
-        model(torch.tensor([tokens], dtype=torch.long, device=cache.device), scratch)
+        feed = torch.tensor([tokens], dtype=torch.long, device=cache.device)
+        if want_states:
+            _, hidden = model(feed, scratch, return_hidden=True)
+            states = hidden[0]
+        else:
+            model(feed, scratch)
     num = len(tokens)
     for layer in range(cache.num_layers):
         cache.keys[layer][row, :, :num] = scratch.keys[layer][0]  # (n_kv, n, hd)
         cache.values[layer][row, :, :num] = scratch.values[layer][0]
     cache.lengths[row] = num
     cache.num_pending[row] = 0
-    return num
+    return num, states
 
 
 def verify_rows(
@@ -100,9 +119,31 @@ def verify_rows(
     accepted path. The step is atomic for the cache: inputs are validated before any forward
     (``ValueError``/``IndexError``: duplicate or bad rows, token ids outside the vocabulary, a
     tree that does not fit its row), and if a verifier raises, no row advances.
+    (:func:`verify_rows_with_states` also returns the accepted nodes' hidden states.)
     """
+    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, want_states=False)[0]
+
+
+def verify_rows_with_states(
+    model: Transformer,
+    cache: KVCache,
+    steps: Sequence[RowStep],
+    *,
+    verifier: VerifyFn = verify,
+    packer: Packer = pack_trees,
+    pad_token_id: int = 0,
+) -> tuple[list[VerifyResult], list[Tensor]]:
+    """:func:`verify_rows`, also returning per step the model's final hidden states
+    ``(len(accepted), D)`` of its accepted nodes (root first), for feature-level drafters."""
+    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, want_states=True)
+
+
+def _verify_rows(
+    model: Transformer, cache: KVCache, steps: Sequence[RowStep], verifier: VerifyFn, packer: Packer,
+    pad_token_id: int, *, want_states: bool,
+) -> tuple[list[VerifyResult], list[Tensor]]:
     if not steps:
-        return []
+        return [], []
     rows = [step.row for step in steps]
     if len(set(rows)) != len(rows):
         raise ValueError(f"each cache row may appear once per step, got rows {rows}")
@@ -119,6 +160,7 @@ def verify_rows(
         _check_token_ids(step.tree.tokens.tolist(), vocab)
     by_row = {step.row: step for step in steps}
     results: dict[int, VerifyResult] = {}
+    states: dict[int, Tensor] = {}
     blocks = _plan_blocks(sorted(by_row), {r: s.tree.num_nodes for r, s in by_row.items()}, lengths, cache.capacity)
     views: list[tuple[int, KVCache]] = []
     try:
@@ -129,18 +171,19 @@ def verify_rows(
             trees = [by_row[r].tree if r in by_row else pad for r in range(start, stop)]
             packed = packer(trees, lengths[start:stop], pad_token_id)
             device = cache.device
-            logits = model(
-                packed.tokens.to(device),
-                view,
-                tree_mask=packed.tree_mask.to(device),
-                positions=packed.positions.to(device),
-            )  # (B_block, T, V)
+            kwargs = {"tree_mask": packed.tree_mask.to(device), "positions": packed.positions.to(device)}
+            if want_states:
+                logits, hidden = model(packed.tokens.to(device), view, return_hidden=True, **kwargs)  # (B_block, T, V)
+            else:
+                logits = model(packed.tokens.to(device), view, **kwargs)
             assert isinstance(logits, Tensor)
             for offset, row in enumerate(range(start, stop)):
                 real = by_row.get(row)
                 if real is not None:
                     n = real.tree.num_nodes
                     results[row] = verifier(real.tree, logits[offset, :n], real.params, real.generator)
+                    if want_states:
+                        states[row] = hidden[offset, torch.tensor(results[row].accepted, device=device)]
     except BaseException:
         for start, view in views:
             for offset in range(view.batch_size):
@@ -150,7 +193,7 @@ def verify_rows(
         for offset in range(view.batch_size):
             result = results.get(start + offset)
             view.commit(offset, result.accepted if result is not None else [])
-    return [results[row] for row in rows]
+    return [results[row] for row in rows], [states[row] for row in rows] if want_states else []
 
 
 def _check_token_ids(tokens: Sequence[int], vocab_size: int) -> None:

@@ -93,6 +93,13 @@ def _logits(model: Transformer, tokens: Tensor, cache: KVCache, **kwargs: Tensor
     return out
 
 
+def _logits_and_hidden(
+    model: Transformer, tokens: Tensor, cache: KVCache, **kwargs: Tensor
+) -> tuple[Tensor, Tensor]:
+    logits, hidden = model(tokens, cache, return_hidden=True, **kwargs)
+    return logits, hidden
+
+
 def emit_until_done(
     emitted: list[int], new_tokens: Sequence[int], params: SamplingParams
 ) -> tuple[list[int], FinishReason | None]:
@@ -172,6 +179,9 @@ def generate_speculative(
     ones); the accepted path is committed and the emitted tokens (accepted drafts + bonus) go
     to the speculators.
     With no speculators every step verifies a root-only tree (incremental decoding).
+    Speculators with ``uses_features = True`` (see :class:`~treeserve.ops.drafting.FeatureUser`)
+    also get the LLM's final hidden states of every token it has processed, in order: the
+    prompt's (but its last token) after the prefill, then each step's root and accepted drafts.
     """
     prompt = _check_prompt(model, prompt_ids, params)
     if max_tree_nodes < 1:
@@ -183,12 +193,18 @@ def generate_speculative(
     device = model.device
     emitted: list[int] = []
     accepted_per_step: list[int] = []
+    feature_users = [s for s in speculators if getattr(s, "uses_features", False)]
     with torch.no_grad():
-        if len(prompt) > 1:
-            _logits(model, torch.tensor([prompt[:-1]], device=device), cache)
-            cache.commit(0, range(len(prompt) - 1))
         for speculator in speculators:
             speculator.prefill(prompt)
+        if len(prompt) > 1:
+            if feature_users:
+                _, hidden = _logits_and_hidden(model, torch.tensor([prompt[:-1]], device=device), cache)
+                for user in feature_users:
+                    user.add_features(hidden[0])  # type: ignore[attr-defined]
+            else:
+                _logits(model, torch.tensor([prompt[:-1]], device=device), cache)
+            cache.commit(0, range(len(prompt) - 1))
         root = prompt[-1]
         while True:
             remaining = params.max_new_tokens - len(emitted)
@@ -202,13 +218,11 @@ def generate_speculative(
                 tree = tree.first_chain()
             _check_tree(tree, root, remaining - 1, room)
             packed = pack_trees([tree], [length])
-            logits = _logits(
-                model,
-                packed.tokens.to(device),
-                cache,
-                tree_mask=packed.tree_mask.to(device),
-                positions=packed.positions.to(device),
-            )  # (1, T, V)
+            kwargs = {"tree_mask": packed.tree_mask.to(device), "positions": packed.positions.to(device)}
+            if feature_users:
+                logits, hidden = _logits_and_hidden(model, packed.tokens.to(device), cache, **kwargs)  # (1, T, V)
+            else:
+                logits = _logits(model, packed.tokens.to(device), cache, **kwargs)  # (1, T, V)
             result = verifier(tree, logits[0], params, generator)
             accepted_per_step.append(result.num_accepted_drafts)
             new_tokens = result.new_tokens(tree)
@@ -218,4 +232,9 @@ def generate_speculative(
             cache.commit(0, result.accepted)
             for speculator in speculators:
                 speculator.accept(new_tokens)
+            if feature_users:
+                # Node i of the tree is packed at column i: the root and accepted drafts' states.
+                accepted_hidden = hidden[0, torch.tensor(result.accepted, device=device)]
+                for user in feature_users:
+                    user.add_features(accepted_hidden)  # type: ignore[attr-defined]
             root = result.bonus_token

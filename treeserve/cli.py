@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="public gateway endpoint")
     serve.add_argument(
         "--speculator", action="append", default=None, metavar="SPEC",
-        help="speculator kind, repeatable: ngram | self:LAYERS | model:PATH (default: ngram); "
-        "'none' disables speculation",
+        help="speculator kind, repeatable: ngram | feature[:PATH] | distilled[:PATH] | self:LAYERS | model:PATH "
+        "(default: the server's default set); 'none' disables speculation",
     )
     serve.add_argument("--expansion", default=DEFAULT_EXPANSION, help="expansion config of model speculators")
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel verifier ranks")
@@ -140,8 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--boost-epochs", type=int, default=2, help="epochs of each boost-tuned SSM")
     distill.add_argument("--lr", type=float, default=2e-3)
     distill.add_argument("--tokens-per-batch", type=int, default=1024)
+    distill.add_argument("--heldout", type=int, default=16, help="sequences kept out of training to measure agreement")
     distill.add_argument("--seed", type=int, default=0)
     distill.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+
+    features = sub.add_parser(
+        "distill-features", help="train the feature-level drafter (EAGLE-style) on the model's own states")
+    add_model_flags(features)
+    features.add_argument("--prompts", type=Path, nargs="+", default=[Path(f"bench/data/{n}.jsonl") for n in DISTILL_SETS],
+                          help="JSONL prompt files (never the evaluation sets mtbench/humaneval)")
+    features.add_argument("--work-dir", type=Path, default=None,
+                          help="teacher data, states and checkpoints, shared with `distill`; a rerun resumes")
+    features.add_argument("--out", type=Path, default=None, help="weights file (default: <work-dir>/feature_drafter.safetensors)")
+    features.add_argument("--max-prompts", type=int, default=800)
+    features.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length cap")
+    features.add_argument("--batch-size", type=int, default=16, help="teacher generation batch")
+    features.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    features.add_argument("--epochs", type=int, default=20)
+    features.add_argument("--lr", type=float, default=1e-3)
+    features.add_argument("--heldout", type=int, default=32, help="sequences kept out of training to measure agreement")
+    features.add_argument("--seed", type=int, default=0)
+    features.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
     node = sub.add_parser("node", help="offer this host's devices to a head server")
     node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
@@ -168,9 +187,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ...]) -> tuple[dict[str, Any], ...]:
+def _speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ...]) -> tuple[dict[str, Any], ...] | None:
     if specs is None:
-        specs = ["ngram"]
+        return None
     out: list[dict[str, Any]] = []
     for spec in specs:
         kind, _, arg = spec.partition(":")
@@ -186,8 +205,15 @@ def _speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, .
             out.append({"kind": "self", "layers": layers, "expansion": list(expansion)})
         elif kind == "model" and arg:
             out.append({"kind": "model", "model": arg, "expansion": list(expansion)})
+        elif kind == "feature":
+            from treeserve.ops.feature_drafter import DEFAULT_FEATURE_WIDTHS
+
+            out.append({"kind": "feature", "path": arg or None, "expansion": list(DEFAULT_FEATURE_WIDTHS)})
+        elif kind == "distilled":
+            out.append({"kind": "distilled", "path": arg or None, "index": 0, "expansion": list(expansion)})
         else:
-            raise UserError(f"unknown --speculator {spec!r}; use ngram, self:LAYERS, model:PATH or none")
+            raise UserError(f"unknown --speculator {spec!r}; use ngram, feature[:PATH], distilled[:PATH], "
+                            "self:LAYERS, model:PATH or none")
     return tuple(out)
 
 
@@ -411,6 +437,12 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         if not 0 <= args.draft_layers < model.config.num_layers:
             raise UserError(f"--draft-layers must be in [0, {model.config.num_layers - 1}], got {args.draft_layers}")
         speculators: list[Speculator] = [NGramSpeculator(model.config.vocab_size, num_draft_tokens=len(expansion), num_branches=2)]
+        try:  # the shipped feature-level drafter, when this model has one
+            from treeserve.ops.feature_drafter import FeatureSpeculator, load_feature_drafter
+
+            speculators.append(FeatureSpeculator(load_feature_drafter(model)))
+        except (FileNotFoundError, ValueError):
+            pass
         if args.draft_layers:
             speculators.append(ModelSpeculator(model.truncated(args.draft_layers), expansion))
         mode = SpeculationMode.TREE if args.speculate == "tree" else SpeculationMode.CHAIN
@@ -448,26 +480,32 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
 
 
 class _StageProgress:
-    """Prints ``stage done/total`` with elapsed time and an estimate of the stage's rest, at most every few seconds."""
+    """Prints ``stage done/total`` with elapsed time and an estimate of the stage's rest, at most every few seconds.
 
-    def __init__(self, every_s: float = 5.0) -> None:
+    The estimate uses the rate over the last ``window`` units, so work resumed from
+    checkpoints (fast at first) does not skew it.
+    """
+
+    def __init__(self, every_s: float = 5.0, window: int = 20) -> None:
         self.every_s = every_s
+        self.window = window
         self.stage = ""
         self.stage_started = 0.0
-        self.first_done = 0
         self.last_print = 0.0
+        self.recent: list[tuple[float, int]] = []
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         now = time.perf_counter()
         if stage != self.stage:
-            self.stage, self.stage_started, self.first_done, self.last_print = stage, now, done - 1, 0.0
+            self.stage, self.stage_started, self.last_print, self.recent = stage, now, 0.0, []
+        self.recent = [*self.recent[-self.window :], (now, done)]
         if now - self.last_print < self.every_s and done < total:
             return
         self.last_print = now
-        elapsed = now - self.stage_started
-        rate = (done - self.first_done) / elapsed if elapsed > 0 else 0.0
+        (t0, d0), (t1, d1) = self.recent[0], self.recent[-1]
+        rate = (d1 - d0) / (t1 - t0) if t1 > t0 else 0.0
         eta = f", about {(total - done) / rate:.0f} s left" if rate > 0 and done < total else ""
-        _progress(f"{stage}: {done}/{total} ({elapsed:.0f} s{eta})")
+        _progress(f"{stage}: {done}/{total} ({now - self.stage_started:.0f} s{eta})")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -503,7 +541,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     try:
         result = run_distillation(
             model, prompts, stop_ids=tokenizer.stop_ids, work_dir=work_dir, out_path=out, config=config,
-            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=_StageProgress(),
+            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, num_heldout=args.heldout,
+            progress=_StageProgress(),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -517,9 +556,78 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill_features(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.models import DEFAULT_MODEL, load_model, resolve_cache_dir
+    from treeserve.ops.distill import generate_teacher_data, read_prompts, select_prompts
+    from treeserve.ops.feature_distill import (
+        StateSequence,
+        TrainConfig,
+        collect_states,
+        draft_vocabulary,
+        train_feature_drafter,
+    )
+    from treeserve.ops.feature_drafter import init_feature_drafter, save_feature_drafter
+    from treeserve.ops.ssm import ssm_config_for
+
+    torch.set_num_threads(max(args.threads, 1))
+    for path in args.prompts:
+        if not path.is_file():
+            raise UserError(f"no prompt file {path}")
+        if path.stem in ("mtbench", "humaneval"):
+            raise UserError(f"{path} is an evaluation set: training on it would inflate the benchmark")
+    try:
+        config = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    name = args.model or DEFAULT_MODEL
+    work_dir = args.work_dir or resolve_cache_dir(args.cache_dir) / "distill" / Path(name).stem.lower()
+    out = args.out or work_dir / "feature_drafter.safetensors"
+    loaded = load_model(name, dtype=torch.float32, cache_dir=_cache_dir(args), progress=_progress)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    model.requires_grad_(False)
+    prompts = select_prompts(tokenizer, read_prompts(args.prompts), max_prompts=args.max_prompts, seed=args.seed)
+    if len(prompts) <= args.heldout:
+        raise UserError(f"need more than --heldout {args.heldout} prompts, got {len(prompts)}")
+    _progress(f"{len(prompts)} prompts, work dir {work_dir}")
+    started = time.perf_counter()
+    stage = _StageProgress()
+    teacher = generate_teacher_data(model, prompts, work_dir, batch_size=args.batch_size,
+                                    max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, progress=stage)
+    states_path = work_dir / f"feature_states_{len(prompts)}.pt"
+    if states_path.exists():
+        data = [StateSequence(**d) for d in torch.load(states_path, weights_only=True)]
+    else:
+        data = collect_states(model, [t.token_ids for t in teacher], progress=lambda s, d, t, f: stage(s, d, t))
+        torch.save([d.__dict__ for d in data], states_path)
+    train, heldout = data[: -args.heldout], data[-args.heldout:]
+    draft_ids = draft_vocabulary(train, args.draft_vocab)
+    drafter = init_feature_drafter(
+        model, ssm_config_for(model, num_layers=1, ffn_dim=model.config.ffn_dim, draft_vocab_size=args.draft_vocab),
+        draft_ids)
+
+    def report(stage_name: str, done: int, total: int, figures: dict[str, float]) -> None:
+        stage(stage_name, done, total)
+        if stage_name == "epoch":
+            _progress(f"epoch {done}/{total}: held-out top-1 agreement {figures['held_out_top1']:.3f}")
+
+    history = train_feature_drafter(drafter, train, config, held_out=heldout,
+                                    checkpoint=work_dir / f"feature_ckpt_{args.draft_vocab}.pt", progress=report)
+    save_feature_drafter(drafter, out, metadata={
+        "train": config.__dict__, "num_train_sequences": len(train), "num_heldout_sequences": len(heldout),
+        "heldout_top1": history, "prompts": [str(p) for p in args.prompts], "max_prompts": args.max_prompts,
+        "max_new_tokens": args.max_new_tokens, "model": name,
+    })
+    _progress(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - started:.0f} s; "
+              f"held-out top-1 agreement {history[-1]:.3f}")
+    print(out)
+    return 0
+
+
 COMMANDS = {
     "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
-    "train-predictor": cmd_train_predictor, "distill": cmd_distill,
+    "train-predictor": cmd_train_predictor, "distill": cmd_distill, "distill-features": cmd_distill_features,
 }
 
 

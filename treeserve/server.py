@@ -36,6 +36,18 @@ pay for its forwards on this model; trained drafters are the way to better accep
 SCHEDULER_POLICIES = ("fcfs", "ssjf", "hrrn", "sjf-oracle")
 
 
+def default_speculators(model: str) -> tuple[Mapping[str, Any], ...]:
+    """The speculators a server runs unless told otherwise: the n-gram drafter, merged with the
+    shipped feature-level drafter when ``model`` is the default model it was trained for."""
+    from treeserve.models import DEFAULT_MODEL
+    from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, DEFAULT_FEATURE_WIDTHS
+
+    specs = [dict(s) for s in DEFAULT_SPECULATORS]
+    if model == DEFAULT_MODEL and DEFAULT_FEATURE_DRAFTER_FILE.is_file():
+        specs.append({"kind": "feature", "path": None, "expansion": list(DEFAULT_FEATURE_WIDTHS)})
+    return tuple(specs)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything an embedded server needs; validated on construction, no I/O.
@@ -45,7 +57,7 @@ class ServerConfig:
     parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
     ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
     ``speculators``: the speculator kinds every speculator actor runs (see
-    ``treeserve.actors.speculator``); empty disables speculation. ``num_speculator_actors``:
+    ``treeserve.actors.speculator``); empty disables speculation; None: :func:`default_speculators`. ``num_speculator_actors``:
     one per device (on CPU: one per process). ``num_nodes``: other hosts that join with
     ``treeserve node --join <cluster_bind>``; the server waits for them, then places
     tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
@@ -74,7 +86,7 @@ class ServerConfig:
     scheduler: str = "fcfs"
     max_wait_s: float = 30.0
     max_tree_nodes: int = 64
-    speculators: tuple[Mapping[str, Any], ...] = DEFAULT_SPECULATORS
+    speculators: tuple[Mapping[str, Any], ...] | None = None
     num_speculator_actors: int = 1
     max_concurrent_streams: int = 256
     max_restarts: int = 3
@@ -91,6 +103,10 @@ class ServerConfig:
     predictor: str | None = None
     online_predictor: bool = True
     adaptive_speculation: bool = True
+
+    def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
+        """``speculators``, or the defaults for ``model`` when it is None."""
+        return default_speculators(self.model) if self.speculators is None else self.speculators
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -258,12 +274,13 @@ class Server:
         )))
         self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
 
-        if cfg.speculators and cfg.num_speculator_actors:
+        speculators = cfg.resolved_speculators()
+        if speculators and cfg.num_speculator_actors:
             self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
             spec_sup = self.speculator_supervisor = rt.supervisor(supervisor_config, name="speculator-supervisor")
             spec_config = {
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
-                "speculators": [dict(s) for s in cfg.speculators], "capacity": cfg.row_capacity,
+                "speculators": [dict(s) for s in speculators], "capacity": cfg.row_capacity,
                 "num_threads": cfg.speculator_threads,
             }
             if agents:
@@ -289,6 +306,7 @@ class Server:
             max_wait_s=cfg.max_wait_s,
             max_tree_nodes=cfg.max_tree_nodes,
             adaptive_speculation=cfg.adaptive_speculation,
+            use_states=bool(self.speculators) and any(s.get("kind") == "feature" for s in speculators),
             step_timeout_s=cfg.step_timeout_s,
         )
         self.scheduler = await rt.spawn(

@@ -291,3 +291,43 @@ def test_mss_extended_draws(tables, case: str) -> None:  # type: ignore[no-untyp
     assert chi_square_p_value(counts, exact) > PASS_P_VALUE
     wrong = draw_first_tokens(llm_table, make_table_speculators(ssm_tables), params, residual_without_subtraction, 30000, K, 7)
     assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
+
+
+# ------------------------------------------------------------------ the served configuration
+def distilled_counts(llm: Transformer, params: SamplingParams, verifier: VerifyFn, num_draws: int, k: int) -> Tensor:
+    """First ``k`` tokens of ``generate_speculative`` with the benchmark's speculator kinds:
+    two distilled SSMs (reduced draft vocabularies, greedy-spine trees with i.i.d. draws)
+    merged with the n-gram drafter, at the benchmark's sampling params."""
+    from treeserve.ops.ssm import DistilledSpeculator, init_ssm_from_verifier, ssm_config_for
+
+    ssms = []
+    for seed, ids in ((3, [0, 2, 3, 5, 6]), (4, [1, 2, 4, 7])):  # tokens outside are never drafted
+        ssm = init_ssm_from_verifier(llm, ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=len(ids)),
+                                     torch.tensor(ids))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in ssm.named_parameters():
+                if not name.startswith("embed_tokens."):  # the embedding is the LLM's own
+                    param.add_(0.5 * torch.randn(param.shape, generator=gen))
+        ssms.append(ssm)
+    speculators = [DistilledSpeculator(ssms[0], (2, 2, 1)), DistilledSpeculator(ssms[1], (3, 1)),
+                   NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.zeros(VOCAB**k, dtype=torch.long)
+    for _ in range(num_draws):
+        out = generate_speculative(llm, speculators, PROMPT, params, generator=gen, verifier=verifier).token_ids
+        index = 0
+        for token in out[:k]:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts
+
+
+def test_distilled_and_ngram_at_temperature_0_8_match_the_llm_distribution() -> None:
+    llm = tiny_model(0, num_layers=2)
+    params = SamplingParams(temperature=0.8, max_new_tokens=2)  # no top-k / top-p: the full vocabulary
+    exact = exact_distribution(prefix_logits(llm, 1), params, 2)
+    counts = distilled_counts(llm, params, verify_stochastic, 1500, 2)
+    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
+    wrong = distilled_counts(llm, params, accept_without_ratio, 1500, 2)
+    assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE

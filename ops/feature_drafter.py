@@ -1,0 +1,321 @@
+"""A feature-level drafter (in the style of EAGLE): drafts from the LLM's own hidden states.
+
+The LLM's final (normed) hidden state ``f_t`` at token ``t`` is what its LM head turns into
+the next-token distribution. The drafter learns one step of the LLM's hidden-state dynamics:
+from ``(f_t, x_{t+1})`` (the state and the next token's embedding, fused by a linear layer) one
+decoder block predicts ``f_{t+1}``, which the LLM's head (restricted to a draft vocabulary of
+its rows) turns into the draft of ``x_{t+2}``. Feeding predicted states back in drafts deeper.
+Knowing the LLM's true state of every token it has verified makes the first draft step very
+accurate; a token-only small model has to guess it.
+
+:class:`FeatureSpeculator` follows the speculator protocol plus ``uses_features = True``:
+``generate_speculative`` (and the serving path) call :meth:`FeatureSpeculator.add_features`
+with the LLM's states of the tokens it processed, in order. The drafter's KV cache holds one
+entry per consecutive pair ``(f_i, x_{i+1})`` with true states; each proposal adds the pairs
+that became known, then drafts a greedy spine (``widths[d]`` children at depth ``d``, the first
+extended) with predicted states, whose KV is dropped at the next proposal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from treeserve.ops.drafting import validate_expansion
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.model import Block, ModelConfig, Transformer
+from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from treeserve.ops.ssm import SSMConfig
+from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
+from treeserve.ops.tree_attention import build_attention_mask
+
+DEFAULT_FEATURE_DRAFTER_FILE = Path(__file__).parent / "data" / "feature_drafter_smollm2-135m-instruct.safetensors"
+"""The shipped feature drafter of the default model (``treeserve distill-features`` writes it)."""
+
+DEFAULT_FEATURE_WIDTHS: tuple[int, ...] = (3, 2, 2, 1, 1, 1)
+"""Spine widths: three alternatives for the first token, two for the next two, then a chain."""
+
+_FORMAT = "treeserve-feature-drafter-1"
+
+
+class FeatureDrafter(Transformer):
+    """Predicts the LLM's next hidden state from ``(state, next token)``; scores a draft vocabulary.
+
+    It shares the LLM's token embedding (frozen, never stored) and uses the LLM's LM-head rows
+    of ``draft_ids`` as its head (``head_weight``: the LLM's head matrix; default the embedding,
+    for tied models).
+    :meth:`features` runs over a KV cache like :meth:`Transformer.forward` (chains and token
+    trees; no ``inference_mode``, so it trains); :meth:`head` gives draft-vocabulary logits.
+    """
+
+    draft_ids: Tensor  # (K,) int64, ascending
+    head_weight: Tensor  # (K, D)
+
+    def __init__(self, config: SSMConfig, embedding: nn.Embedding, head_weight: Tensor | None = None) -> None:
+        if embedding.weight.shape != (config.vocab_size, config.dim):
+            raise ValueError(f"the shared embedding is {tuple(embedding.weight.shape)}, "
+                             f"the drafter needs ({config.vocab_size}, {config.dim})")
+        full = config.model_config()
+        super().__init__(ModelConfig(**{**full.__dict__, "vocab_size": 1}))  # no full-size embedding
+        self.config = full
+        self.drafter_config = config
+        self.embed_tokens = embedding
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
+        full_head = embedding.weight if head_weight is None else head_weight
+        if full_head.shape != (config.vocab_size, config.dim):
+            raise ValueError(f"the LM head is {tuple(full_head.shape)}, the drafter needs ({config.vocab_size}, {config.dim})")
+        self._full_head = [full_head]  # a list: not a submodule/buffer, never stored
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=False)
+        self.register_buffer("head_weight", full_head.detach()[: config.draft_vocab_size].clone(), persistent=False)
+
+    def set_draft_ids(self, draft_ids: Tensor) -> None:
+        """Use ``draft_ids`` (``K`` distinct ascending ids) as the draft vocabulary."""
+        ids = draft_ids.to(torch.long).reshape(-1).cpu()
+        k, vocab = self.drafter_config.draft_vocab_size, self.drafter_config.vocab_size
+        if ids.numel() != k or int(ids.min()) < 0 or int(ids.max()) >= vocab or bool((ids[1:] <= ids[:-1]).any()):
+            raise ValueError(f"draft_ids must be {k} distinct ascending ids in [0, {vocab})")
+        weight = self._full_head[0]
+        self.draft_ids = ids.to(weight.device)
+        self.head_weight = weight.detach()[self.draft_ids].clone().to(self.fc.weight.dtype)
+
+    def features(
+        self, states: Tensor, tokens: Tensor, cache: KVCache, *,
+        tree_mask: Tensor | None = None, positions: Tensor | None = None,
+    ) -> Tensor:
+        """Predicted next states ``(B, T, D)`` from ``states`` ``(B, T, D)`` and ``tokens`` ``(B, T)``
+        (the token following each state), appended to ``cache`` as pending slots."""
+        batch, num_new = tokens.shape
+        if states.shape != (batch, num_new, self.drafter_config.dim):
+            raise ValueError(f"states must be (B, T, D) = {(batch, num_new, self.drafter_config.dim)}, "
+                             f"got {tuple(states.shape)}")
+        if batch != cache.batch_size or cache.num_layers != len(self.layers):
+            raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this drafter")
+        if positions is None:
+            positions = cache.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
+        lengths = cache.begin_write(num_new)
+        num_slots = max(lengths) + num_new
+        same_lengths = all(length == lengths[0] for length in lengths)
+        is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
+        mask = None if (num_new == 1 and same_lengths) or is_causal else build_attention_mask(
+            cache.lengths, tree_mask, num_new, num_slots)
+        dtype = self.dtype
+        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
+        sin = self.rope_sin[positions].to(dtype)[:, None]
+        h = self.fc(torch.cat([states.to(dtype), self.embed_tokens(tokens).detach()], dim=-1))  # (B, T, D)
+        for index, module in enumerate(self.layers):
+            block = cast(Block, module)
+            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        return cast(Tensor, self.norm(h))
+
+    def head(self, states: Tensor) -> Tensor:
+        """Draft-vocabulary logits ``(..., K)`` (float32) of (predicted) states."""
+        return F.linear(states, self.head_weight).float()
+
+    def to_full_vocab(self, draft_logits: Tensor) -> Tensor:
+        """Scatter ``(..., K)`` draft logits into ``(..., V)`` logits, ``-inf`` outside the draft vocabulary."""
+        shape = (*draft_logits.shape[:-1], self.drafter_config.vocab_size)
+        full = torch.full(shape, float("-inf"), dtype=draft_logits.dtype, device=draft_logits.device)
+        full[..., self.draft_ids] = draft_logits
+        return full
+
+    def stored_state_dict(self) -> dict[str, Tensor]:
+        """What a weights file stores: everything but the shared embedding."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def _lm_head(verifier: Transformer) -> Tensor:
+    return verifier.embed_tokens.weight if verifier.lm_head is None else verifier.lm_head.weight
+
+
+def init_feature_drafter(verifier: Transformer, config: SSMConfig, draft_ids: Tensor) -> FeatureDrafter:
+    """A drafter whose block copies the verifier's last one and whose fusion starts as
+    "embedding plus a little state", so training starts from a sensible point."""
+    drafter = FeatureDrafter(config, verifier.embed_tokens, _lm_head(verifier)).to(verifier.dtype)
+    if config.ffn_dim != verifier.config.ffn_dim or config.num_layers < 1:
+        raise ValueError("init_feature_drafter copies verifier blocks: use the verifier's ffn_dim")
+    with torch.no_grad():
+        for offset, target in enumerate(drafter.layers):
+            source = verifier.layers[verifier.config.num_layers - len(drafter.layers) + offset]
+            target.load_state_dict(source.state_dict())
+        drafter.norm.weight.copy_(verifier.norm.weight)
+        dim = config.dim
+        drafter.fc.weight.zero_()
+        drafter.fc.bias.zero_()
+        drafter.fc.weight[:, dim:] = torch.eye(dim)
+        drafter.fc.weight[:, :dim] = 0.1 * torch.eye(dim)
+    drafter.set_draft_ids(draft_ids)
+    return drafter.eval()
+
+
+def save_feature_drafter(drafter: FeatureDrafter, path: str | Path, *, metadata: dict[str, object] | None = None) -> None:
+    """Write a safetensors file (float16 weights, the draft ids, config and metadata as JSON)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in drafter.stored_state_dict().items()}
+    tensors["draft_ids"] = drafter.draft_ids.to(torch.int64).cpu()
+    header = {"format": _FORMAT, "config": json.dumps(asdict(drafter.drafter_config)),
+              "metadata": json.dumps(metadata or {})}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=header)
+
+
+def load_feature_drafter(verifier: Transformer, path: str | Path | None = None) -> FeatureDrafter:
+    """Load a drafter written by :func:`save_feature_drafter` onto ``verifier``'s embedding, dtype
+    and device (``None``: the shipped one). ``FileNotFoundError`` when absent; ``ValueError``
+    when it was trained for a model of another shape."""
+    from safetensors import safe_open
+
+    file = Path(path) if path is not None else DEFAULT_FEATURE_DRAFTER_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"no feature drafter at {file} (train one with treeserve distill-features)")
+    with safe_open(str(file), framework="pt") as handle:
+        header = handle.metadata() or {}
+        if header.get("format") != _FORMAT:
+            raise ValueError(f"{file} is not a treeserve feature drafter (format {header.get('format')!r})")
+        config = SSMConfig(**json.loads(header["config"]))
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - safe_open has no iterator
+    if (config.vocab_size, config.dim) != (verifier.config.vocab_size, verifier.config.dim):
+        raise ValueError(f"{file} drafts for vocab {config.vocab_size} / width {config.dim}, the model has "
+                         f"{verifier.config.vocab_size} / {verifier.config.dim}")
+    drafter = FeatureDrafter(config, verifier.embed_tokens, _lm_head(verifier))
+    draft_ids = tensors.pop("draft_ids")
+    drafter.load_state_dict(tensors, strict=False)
+    missing = {k for k in drafter.stored_state_dict() if k not in tensors}
+    if missing:
+        raise ValueError(f"{file} lacks tensors {sorted(missing)}")
+    drafter = drafter.to(device=verifier.device, dtype=verifier.dtype)
+    drafter.set_draft_ids(draft_ids)
+    return drafter.eval()
+
+
+class FeatureSpeculator:
+    """Greedy-spine drafting with a :class:`FeatureDrafter` (speculator protocol + features).
+
+    ``widths[d]`` children at the spine node of depth ``d`` (greedy: the drafter's top tokens;
+    otherwise i.i.d. draws from its ``q``, each its own proposal), the first child extended; a
+    tree has at most ``1 + sum(widths)`` nodes and ``max_depth``/``max_nodes`` cut the widths
+    before any draw. Without the LLM's state of the token before the root (a one-token prompt,
+    or features not delivered) it proposes the root alone.
+    """
+
+    uses_features = True
+
+    def __init__(self, drafter: FeatureDrafter, widths: Sequence[int] = DEFAULT_FEATURE_WIDTHS, *,
+                 capacity: int | None = None) -> None:
+        self.drafter = drafter
+        self.widths = validate_expansion(widths)
+        self._capacity = capacity
+        self._cache: KVCache | None = None
+        self._history: list[int] = []
+        self._states: list[Tensor] = []  # (n_i, D) chunks: the LLM's states of history[:num_states]
+        self._num_states = 0
+        self._num_pairs = 0  # pairs (f_i, x_{i+1}) with true states committed to the cache
+        self._root_prediction: Tensor | None = None  # the drafter's state after the last pair
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Start a request; its states arrive through :meth:`add_features`."""
+        if not prompt_ids:
+            raise ValueError("a speculator needs a non-empty prompt")
+        if self._cache is None:
+            self._cache = self.drafter.new_cache(1, self._capacity)
+        self._cache.reset_row(0)
+        self._history = [int(t) for t in prompt_ids]
+        self._states, self._num_states, self._num_pairs = [], 0, 0
+        self._root_prediction = None
+
+    def add_features(self, states: Tensor) -> None:
+        """The LLM's final hidden states ``(n, D)`` of the next ``n`` tokens of the request."""
+        if states.dim() != 2 or states.shape[1] != self.drafter.drafter_config.dim:
+            raise ValueError(f"states must be (n, {self.drafter.drafter_config.dim}), got {tuple(states.shape)}")
+        if self._num_states + states.shape[0] > len(self._history):
+            raise ValueError("more states than tokens: add_features must follow prefill/accept")
+        self._states.append(states.detach().to(self.drafter.dtype))
+        self._num_states += states.shape[0]
+
+    def _all_states(self) -> Tensor:
+        if len(self._states) > 1:
+            self._states = [torch.cat(self._states)]
+        return self._states[0]
+
+    def _fitting_widths(self, max_depth: int | None, max_nodes: int | None, room: int) -> tuple[int, ...]:
+        widths = self.widths if max_depth is None else self.widths[: max(max_depth, 0)]
+        widths = widths[: max(room, 0)]  # depth D feeds D - 1 spine states after the new pairs
+        while widths and max_nodes is not None and 1 + sum(widths) > max_nodes:
+            widths = widths[:-1]
+        return widths
+
+    def propose(
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
+    ) -> TokenTree:
+        """Draft a greedy-spine tree rooted at the last token seen (see the class docstring)."""
+        if self._cache is None or not self._history:
+            raise RuntimeError("FeatureSpeculator.prefill must be called before propose")
+        root = self._history[-1]
+        builder = TokenTreeBuilder(root, with_probs=not params.is_greedy)
+        num_pairs = len(self._history) - 1  # pairs up to (f_{n-2}, root)
+        if self._num_states < num_pairs or num_pairs == 0:
+            return builder.build()
+        cache, drafter = self._cache, self.drafter
+        device = drafter.device
+        with torch.no_grad():
+            cache.truncate(0, self._num_pairs)  # drop the last spine (predicted states)
+            room = cache.capacity - num_pairs
+            widths = self._fitting_widths(max_depth, max_nodes, room)
+            if not widths:
+                return builder.build()
+            start = self._num_pairs
+            if start < num_pairs:
+                states = self._all_states()[start:num_pairs]  # (m, D)
+                tokens = torch.tensor([self._history[start + 1: num_pairs + 1]], dtype=torch.long, device=device)
+                self._root_prediction = drafter.features(states[None].to(device), tokens, cache)[0, -1]  # (D,)
+                cache.commit(0, range(num_pairs - start))
+                self._num_pairs = num_pairs
+            assert self._root_prediction is not None
+            predicted = self._root_prediction
+            node = 0
+            for depth, width in enumerate(widths):
+                if depth > 0:
+                    token = torch.tensor([[builder.token_of(node)]], dtype=torch.long, device=device)
+                    predicted = drafter.features(predicted[None, None], token, cache)[0, -1]
+                    cache.commit(0, [0])
+                logits = drafter.head(predicted)  # (K,)
+                width = min(width, logits.numel())
+                if params.is_greedy:
+                    picks = drafter.draft_ids[torch.topk(logits, width).indices].tolist()
+                    children = [builder.add_proposal(node, t) for t in picks]
+                else:
+                    q = logits_to_probs(drafter.to_full_vocab(logits).cpu(), params)  # (V,)
+                    q_row = builder.add_probs(q)
+                    draws = sample_from_probs(q[None], generator, width)[0].tolist()
+                    children = [builder.add_proposal(node, t, q_row=q_row) for t in draws]
+                node = children[0]
+        return builder.build()
+
+    def accept(self, new_tokens: Sequence[int]) -> None:
+        """Append the emitted tokens (their states follow through :meth:`add_features`)."""
+        if self._cache is None:
+            raise RuntimeError("FeatureSpeculator.prefill must be called before accept")
+        self._history.extend(int(t) for t in new_tokens)
+
+
+__all__ = [
+    "DEFAULT_FEATURE_DRAFTER_FILE",
+    "DEFAULT_FEATURE_WIDTHS",
+    "FeatureDrafter",
+    "FeatureSpeculator",
+    "init_feature_drafter",
+    "load_feature_drafter",
+    "save_feature_drafter",
+]

@@ -1,0 +1,129 @@
+"""The feature-level drafter (treeserve.ops.feature_drafter): the LLM's states reach it in order,
+greedy generation with it is lossless, its drafts stay in the draft vocabulary, weights round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from treeserve.ops.feature_drafter import (
+    FeatureSpeculator,
+    init_feature_drafter,
+    load_feature_drafter,
+    save_feature_drafter,
+)
+from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.ngram import NGramSpeculator
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.speculative import generate_incremental, generate_speculative
+from treeserve.ops.ssm import ssm_config_for
+
+TINY = dict(vocab_size=101, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256)
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> object:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_verifier(seed: int = 0) -> Transformer:
+    model = Transformer(ModelConfig(**TINY))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            base, scale = (1.0, 0.5) if "norm" in name else (0.0, 0.3)
+            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def tiny_drafter(verifier: Transformer, draft_vocab: int = 60, seed: int = 1):  # type: ignore[no-untyped-def]
+    ids = torch.randperm(verifier.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    config = ssm_config_for(verifier, num_layers=1, ffn_dim=verifier.config.ffn_dim, draft_vocab_size=draft_vocab)
+    return init_feature_drafter(verifier, config, ids.sort().values)
+
+
+class RecordingSpeculator(FeatureSpeculator):
+    """Keeps every state it is given, to compare with a causal pass over the final sequence."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.received: list[Tensor] = []
+
+    def add_features(self, states: Tensor) -> None:
+        self.received.append(states.clone())
+        super().add_features(states)
+
+
+def causal_states(model: Transformer, tokens: list[int]) -> Tensor:
+    with torch.no_grad():
+        _, hidden = model(torch.tensor([tokens]), model.new_cache(1, len(tokens)), return_hidden=True)
+    return hidden[0]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=30), SamplingParams(temperature=0.8, seed=3, max_new_tokens=30)],
+                         ids=["greedy", "t0.8"])
+def test_the_llm_states_arrive_in_token_order(params: SamplingParams) -> None:
+    verifier = tiny_verifier()
+    speculator = RecordingSpeculator(tiny_drafter(verifier), (2, 2, 1))
+    prompt = [3, 9, 27, 81, 42]
+    out = generate_speculative(verifier, [speculator], prompt, params)
+    received = torch.cat(speculator.received)
+    sequence = prompt + out.token_ids
+    # Every token but the last few (the final step's states are not delivered) has its state.
+    expected = causal_states(verifier, sequence)[: received.shape[0]]
+    assert received.shape[0] >= len(prompt) - 1 + len(out.token_ids) - 8
+    torch.testing.assert_close(received, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_with_the_feature_drafter_is_lossless() -> None:
+    verifier = tiny_verifier()
+    speculators = [FeatureSpeculator(tiny_drafter(verifier), (3, 2, 1, 1)),
+                   NGramSpeculator(TINY["vocab_size"], num_draft_tokens=3)]
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in ([1, 2, 3], [7, 7, 8, 50, 3, 2, 9], [5]):
+        reference = generate_incremental(verifier, prompt, params)
+        assert generate_speculative(verifier, speculators, prompt, params).token_ids == reference.token_ids
+        assert generate_speculative(verifier, speculators[:1], prompt, params).token_ids == reference.token_ids
+
+
+def test_drafts_stay_in_the_draft_vocabulary_and_limits_apply_before_drafting() -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier, draft_vocab=10)
+    allowed = set(drafter.draft_ids.tolist())
+    speculator = FeatureSpeculator(drafter, (3, 2, 2, 1))
+    prompt = [4, 8, 15, 16, 23]
+    speculator.prefill(prompt)
+    speculator.add_features(causal_states(verifier, prompt[:-1]))
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
+        tree = speculator.propose(params, torch.Generator().manual_seed(0))
+        # Greedy: distinct top tokens; sampled: equal draws share one node (each its own proposal).
+        assert tree.num_nodes == 1 + 3 + 2 + 2 + 1 if params.is_greedy else 4 <= tree.num_nodes <= 9
+        assert set(tree.tokens[1:].tolist()) <= allowed
+    assert speculator.propose(SamplingParams(), None, max_nodes=6).num_nodes == 1 + 3 + 2
+    assert speculator.propose(SamplingParams(), None, max_depth=1).num_nodes == 1 + 3
+    # Without the state before the root there is nothing to draft from.
+    speculator.prefill([7])
+    assert speculator.propose(SamplingParams(), None).num_nodes == 1
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier)
+    with torch.no_grad():
+        drafter.fc.bias.normal_()
+    path = tmp_path / "fd.safetensors"
+    save_feature_drafter(drafter, path, metadata={"note": "test"})
+    loaded = load_feature_drafter(verifier, path)
+    assert torch.equal(loaded.draft_ids, drafter.draft_ids)
+    torch.testing.assert_close(loaded.fc.bias, drafter.fc.bias.half().float())
+    with pytest.raises(FileNotFoundError):
+        load_feature_drafter(verifier, tmp_path / "missing.safetensors")
+    other = Transformer(ModelConfig(**{**TINY, "dim": 32, "head_dim": 4, "num_heads": 8}))
+    with pytest.raises(ValueError, match="width"):
+        load_feature_drafter(other, path)
