@@ -33,7 +33,7 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
   caller sends ``history`` next time. ``states`` (float ``(n, D)``) are the LLM's final hidden
   states of the request's tokens since the last ones sent, in order (with ``history``: of all
   of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
-  "expansion": [3, 2, 2, 1, 1, 1]}``: the greedy spine's widths) draft from them.
+  "expansion": [4, 2, 1]}``: the greedy spine's widths) draft from them.
 * ``release {"request_id"}`` -> None (idempotent).
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a

@@ -302,21 +302,27 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             assert server.scheduler is not None
             await client.generate("Hello", max_tokens=4)
             for mode in ("none", "tree"):
-                points, gains = [], []
+                points, gains, prefill = [], [], []
                 for rows in sorted({1, 2, max(1, args.num_rows // 2), args.num_rows}):
-                    before = (await server.scheduler.ask("stats"))["num_steps"]
+                    before = await server.scheduler.ask("stats")
                     started = time.perf_counter()
                     done = await asyncio.gather(*(client.generate(prompt, max_tokens=args.calibrate_tokens,
                                                                   speculate=mode) for _ in range(rows)))
                     wall = time.perf_counter() - started
-                    steps = (await server.scheduler.ask("stats"))["num_steps"] - before
-                    points.append((rows, wall / max(1, steps)))
+                    after = await server.scheduler.ask("stats")
+                    # Step time from the scheduler's own timers (propose + verify), so admission
+                    # (prefill) and client round trips do not inflate it; they make the rest.
+                    steps = max(1, after["num_steps"] - before["num_steps"])
+                    in_steps = sum(after[k] - before[k] for k in ("propose_s", "verify_s"))
+                    points.append((rows, in_steps / steps))
+                    prefill.append(max(0.0, wall - in_steps) / sum(d.num_prompt_tokens for d in done))
                     gains.extend(d.mean_accepted_per_step for d in done)
-                    _log(f"calibrate {mode}: {rows} rows -> {wall / max(1, steps) * 1000:.0f} ms/step")
+                    _log(f"calibrate {mode}: {rows} rows -> {in_steps / steps * 1000:.0f} ms/step, "
+                         f"{prefill[-1] * 1e3:.2f} ms/prompt token outside the steps")
                 x = np.array([[1.0, r] for r, _ in points])
                 (base, per_row), *_ = np.linalg.lstsq(x, np.array([s for _, s in points]), rcond=None)
                 fits[mode] = asdict(LatencyModel(max(0.0, float(base)), max(0.0, float(per_row)),
-                                                 float(np.mean(gains)), mode=mode,
+                                                 float(np.mean(gains)), float(np.median(prefill)), mode=mode,
                                                  measured={"rows_vs_step_s": points}))
     return fits
 
@@ -400,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace-rate", type=float, default=1.0, help="mean arrivals/s of --make-trace")
     parser.add_argument("--trace-max-tokens", type=int, default=256)
     parser.add_argument("--calibrate", action="store_true", help="measure the latency model on the real server")
-    parser.add_argument("--calibrate-tokens", type=int, default=32)
+    parser.add_argument("--calibrate-tokens", type=int, default=64)
     parser.add_argument("--latency-model", type=Path, default=None, help="JSON written by --calibrate")
     parser.add_argument("--simulate", action="store_true", help="sweep arrivals in the simulator")
     parser.add_argument("--jobs", type=Path, default=None, help="predictions CSV (train-predictor --predictions-out)")
@@ -455,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[policy] = asyncio.run(replay(args, trace, policy))
             _log(f"{policy}: " + json.dumps(summarize(results[policy])))  # partial results survive a later failure
         out["policies"] = with_ratios({p: summarize(r) for p, r in results.items()})
+        out["jobs"] = {p: [asdict(r) for r in rows] for p, rows in results.items()}  # per request, trace order
         if args.latency_model is not None:
             latency = _load_latency(args)
             for policy, rows in results.items():

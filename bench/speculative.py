@@ -182,7 +182,7 @@ def _speculative_run(model: Transformer, speculators: list[Speculator], mode: Sp
 
 
 def treeserve_modes(model: Transformer, names: Sequence[str], available: Available, *,
-                    max_tree_nodes: int = 64) -> list[Mode]:
+                    max_tree_nodes: int = 64, merge: Sequence[str] | None = None) -> list[Mode]:
     """Our modes among ``names``; ones whose speculators are missing are skipped (recorded in ``available``)."""
     specs = available.speculators
     modes: list[Mode] = []
@@ -196,7 +196,7 @@ def treeserve_modes(model: Transformer, names: Sequence[str], available: Availab
             which = which or next(k for k in ("feature", "distilled", "ngram") if k in specs)
             chosen = specs.get(which, [])[:1]
         elif kind == "tree" and which == "merged":
-            chosen = [s for kind_specs in specs.values() for s in kind_specs]
+            chosen = [s for k, kind_specs in specs.items() if merge is None or k in merge for s in kind_specs]
         elif kind == "tree":
             chosen = specs.get(which, [])
         else:
@@ -383,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="registry name, .gguf path or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--max-tree-nodes", type=int, default=64, help="token tree budget per verify step")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="KIND",
+                        help="speculator kinds tree:merged merges (default: every available kind)")
     parser.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each mode's warm-up run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
@@ -460,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         requested.remove("tree:merged")
         available.skipped["tree:merged"] = "only one speculator kind available (same as tree:ngram)"
     modes = treeserve_modes(model, [m for m in requested if m not in PEER_MODES], available,
-                            max_tree_nodes=args.max_tree_nodes)
+                            max_tree_nodes=args.max_tree_nodes, merge=args.merge)
     source = _gguf_or_folder(model_name)
     n_ctx = max((len(ids) for _, ids in prompts), default=0) + args.max_tokens + 16
     modes += _peer_modes(requested, source, dtype, threads=threads, n_ctx=n_ctx, seed=args.seed, available=available)
@@ -485,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_tokens": args.max_tokens, "temperatures": args.temperatures, "seed": args.seed,
             "limit": args.limit, "num_prompts": len(prompts), "modes": [m.name for m in modes],
             "skipped": available.skipped, "ngram": NGRAM_OPTIONS, "max_tree_nodes": args.max_tree_nodes,
+            "merge": args.merge,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "warmup_tokens": args.warmup_tokens,
             "peer_weights": str(source), "torch": torch.__version__, "transformers": hf_version,
             "cpu_count": os.cpu_count(), "order": "prompts outermost, mode order rotated per prompt",

@@ -130,7 +130,9 @@ def test_distilled_failures_skip_and_several_ssms_merge(model: Any, monkeypatch:
     monkeypatch.setitem(sys.modules, "treeserve.ops.ssm",
                         types.SimpleNamespace(load_distilled_speculators=lambda _model: ssms))
     available = bench.load_speculators(model)
-    assert available.skipped == {} and available.speculators["distilled"] == ssms
+    # (The shipped feature drafter is for the default model, so it is skipped on this tiny one.)
+    assert "tree:distilled" not in available.skipped and available.speculators["distilled"] == ssms
+    available.speculators.pop("feature", None)
     calls: list[tuple[int, SpeculationMode]] = []
     real = bench.generate_speculative
 

@@ -321,9 +321,11 @@ async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, .
     from treeserve.models import DEFAULT_MODEL
     from treeserve.server import Server
 
-    speculators: tuple[dict[str, Any], ...] = ()
+    from treeserve.server import default_speculators
+
+    speculators: tuple[Any, ...] = ()
     if args.speculate != "none":
-        speculators = ({"kind": "ngram", "max_ngram": 3, "num_draft_tokens": len(expansion), "num_branches": 2},)
+        speculators = default_speculators(args.model or DEFAULT_MODEL)  # n-gram + the shipped feature drafter
         if args.draft_layers:
             speculators += ({"kind": "self", "layers": args.draft_layers, "expansion": list(expansion)},)
     with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
