@@ -240,6 +240,33 @@ class Transformer(nn.Module):
         small.rope_sin = self.rope_sin
         return small
 
+    def run_blocks(self, h: Tensor, cache: KVCache, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor:
+        """Every block over the new tokens' input states ``h`` ``(B, T, D)``, appending their
+        K/V to ``cache`` as pending slots (``positions`` None: right after each row's committed
+        tokens; ``tree_mask`` ``(B, T, T)`` or None for a causal chain); returns the last block's
+        output, before the final norm. :meth:`forward` validates its inputs first; subclasses
+        that feed other input states (drafters) call this directly, outside inference mode."""
+        batch, num_new = h.shape[:2]
+        if positions is None:
+            positions = cache.lengths[:, None] + torch.arange(num_new, device=h.device)  # (B, T)
+        lengths = cache.begin_write(num_new)
+        num_slots = max(lengths) + num_new
+        # One mask for all layers; None when every visible slot is attended (plain decode).
+        same_lengths = all(length == lengths[0] for length in lengths)
+        is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
+        if (num_new == 1 and same_lengths) or is_causal:
+            mask = None
+        else:
+            mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
+        dtype = self.dtype
+        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
+        sin = self.rope_sin[positions].to(dtype)[:, None]
+        for index, module in enumerate(self.layers):
+            block = cast(Block, module)
+            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        return h
+
     @overload
     def forward(
         self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = ..., positions: Tensor | None = ...,
@@ -284,25 +311,7 @@ class Transformer(nn.Module):
         if int(positions.max()) >= self.config.max_seq_len or int(positions.min()) < 0:
             raise ValueError(f"positions must lie in [0, max_seq_len={self.config.max_seq_len})")
         # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
-        lengths = cache.begin_write(num_new)
-        num_slots = max(lengths) + num_new
-
-        # One mask for all layers; None when every visible slot is attended (plain decode).
-        same_lengths = all(length == lengths[0] for length in lengths)
-        is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
-        if (num_new == 1 and same_lengths) or is_causal:
-            mask = None
-        else:
-            mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
-        dtype = self.dtype
-        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
-        sin = self.rope_sin[positions].to(dtype)[:, None]
-
-        h = self.embed_tokens(tokens)  # (B, T, D)
-        for index, module in enumerate(self.layers):
-            block = cast(Block, module)
-            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, weight).float()  # (B, T, V)

@@ -31,7 +31,6 @@ from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
-from treeserve.ops.tree_attention import build_attention_mask
 
 DEFAULT_SSM_FILE = Path(__file__).parent / "data" / "ssm_smollm2-135m-instruct.safetensors"
 """The shipped boost-tuned SSMs of the default model (SmolLM2-135M-Instruct)."""
@@ -129,24 +128,7 @@ class DistilledSSM(Transformer):
         batch, num_new = tokens.shape
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this SSM")
-        if positions is None:
-            positions = cache.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
-        lengths = cache.begin_write(num_new)
-        num_slots = max(lengths) + num_new
-        same_lengths = all(length == lengths[0] for length in lengths)
-        is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
-        if (num_new == 1 and same_lengths) or is_causal:
-            mask = None
-        else:
-            mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
-        dtype = self.dtype
-        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
-        sin = self.rope_sin[positions].to(dtype)[:, None]
-        h = self.embed_tokens(tokens)  # (B, T, D)
-        for index, module in enumerate(self.layers):
-            block = cast(Block, module)
-            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         return cast(Tensor, self.norm(h))
 
     def head(self, hidden: Tensor) -> Tensor:

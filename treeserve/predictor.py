@@ -106,18 +106,10 @@ def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
     """
     import torch
 
-    num = len(prompt_ids)
-    cache = model.new_cache(1, num)
-    lengths = cache.begin_write(num)
-    positions = torch.arange(num, device=model.device)
+    cache = model.new_cache(1, len(prompt_ids))
     with torch.inference_mode():
-        cos = model.rope_cos[positions].to(model.dtype)[None, None]  # (1, 1, T, hd)
-        sin = model.rope_sin[positions].to(model.dtype)[None, None]
         h = model.embed_tokens(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device))  # (1, T, D)
-        for index, block in enumerate(model.layers):
-            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, None, num, num > 1)
-            h = h + block.mlp(block.post_attention_layernorm(h))
-        h = model.norm(h)
+        h = model.norm(model.run_blocks(h, cache, None, None))
     out: np.ndarray = h[0].float().cpu().numpy()
     return out
 
