@@ -179,7 +179,7 @@ def generate_speculative(
     ones); the accepted path is committed and the emitted tokens (accepted drafts + bonus) go
     to the speculators.
     With no speculators every step verifies a root-only tree (incremental decoding).
-    Speculators with ``uses_features = True`` (see :class:`~treeserve.ops.drafting.FeatureUser`)
+    Speculators with ``uses_features = True`` (e.g. :class:`~treeserve.ops.feature_drafter.FeatureSpeculator`)
     also get the LLM's final hidden states of every token it has processed, in order: the
     prompt's (but its last token) after the prefill, then each step's root and accepted drafts.
     """
