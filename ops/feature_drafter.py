@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from treeserve.ops.drafting import validate_expansion
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import ModelConfig, Transformer
-from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from treeserve.ops.ssm import SSMConfig
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.ssm import SSMConfig, add_spine_children, fit_spine_widths
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
 
 DEFAULT_FEATURE_DRAFTER_FILE = Path(__file__).parent / "data" / "feature_drafter_smollm2-135m-instruct.safetensors"
@@ -232,13 +232,6 @@ class FeatureSpeculator:
             self._states = [torch.cat(self._states)]
         return self._states[0]
 
-    def _fitting_widths(self, max_depth: int | None, max_nodes: int | None, room: int) -> tuple[int, ...]:
-        widths = self.widths if max_depth is None else self.widths[: max(max_depth, 0)]
-        widths = widths[: max(room, 0)]  # depth D feeds D - 1 spine states after the new pairs
-        while widths and max_nodes is not None and 1 + sum(widths) > max_nodes:
-            widths = widths[:-1]
-        return widths
-
     def propose(
         self,
         params: SamplingParams,
@@ -258,8 +251,8 @@ class FeatureSpeculator:
         device = drafter.device
         with torch.no_grad():
             cache.truncate(0, self._num_pairs)  # drop the last spine (predicted states)
-            room = cache.capacity - num_pairs
-            widths = self._fitting_widths(max_depth, max_nodes, room)
+            # Depth D feeds D - 1 spine states after the pairs (the new pairs themselves too).
+            widths = fit_spine_widths(self.widths, max_depth, max_nodes, cache.capacity - num_pairs)
             if not widths:
                 return builder.build()
             start = self._num_pairs
@@ -277,17 +270,8 @@ class FeatureSpeculator:
                     token = torch.tensor([[builder.token_of(node)]], dtype=torch.long, device=device)
                     predicted = drafter.features(predicted[None, None], token, cache)[0, -1]
                     cache.commit(0, [0])
-                logits = drafter.head(predicted)  # (K,)
-                width = min(width, logits.numel())
-                if params.is_greedy:
-                    picks = drafter.draft_ids[torch.topk(logits, width).indices].tolist()
-                    children = [builder.add_proposal(node, t) for t in picks]
-                else:
-                    q = logits_to_probs(drafter.to_full_vocab(logits).cpu(), params)  # (V,)
-                    q_row = builder.add_probs(q)
-                    draws = sample_from_probs(q[None], generator, width)[0].tolist()
-                    children = [builder.add_proposal(node, t, q_row=q_row) for t in draws]
-                node = children[0]
+                node = add_spine_children(builder, node, drafter.head(predicted), drafter.draft_ids,
+                                          drafter.to_full_vocab, params, generator, width)
         return builder.build()
 
     def accept(self, new_tokens: Sequence[int]) -> None:

@@ -208,6 +208,42 @@ def init_ssm_from_verifier(
 # --------------------------------------------------------------------------- speculator
 
 
+def fit_spine_widths(
+    widths: Sequence[int], max_depth: int | None, max_nodes: int | None, max_spine_depth: int
+) -> tuple[int, ...]:
+    """The spine widths a proposal may use, cut before any draw (so the cut never depends on
+    the draws): at most ``max_depth`` and ``max_spine_depth`` (the drafter cache's room) deep,
+    and at most ``max_nodes`` nodes (``1 + sum(widths)``, root included)."""
+    cut = tuple(widths) if max_depth is None else tuple(widths)[: max(max_depth, 0)]
+    cut = cut[: max(max_spine_depth, 0)]
+    while cut and max_nodes is not None and 1 + sum(cut) > max_nodes:
+        cut = cut[:-1]
+    return cut
+
+
+def add_spine_children(
+    builder: TokenTreeBuilder,
+    node: int,
+    draft_logits: Tensor,
+    draft_ids: Tensor,
+    to_full_vocab: Callable[[Tensor], Tensor],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    width: int,
+) -> int:
+    """Give ``node`` ``width`` proposals from draft-vocabulary logits ``(K,)``: greedy, the top
+    tokens; otherwise i.i.d. draws from ``q`` (recorded with each proposal, as multi-step
+    speculative sampling needs). Returns the first child, where the spine continues."""
+    width = min(width, draft_logits.numel())
+    if params.is_greedy:
+        picks = draft_ids[torch.topk(draft_logits, width).indices].tolist()
+        return [builder.add_proposal(node, t) for t in picks][0]
+    q = logits_to_probs(to_full_vocab(draft_logits).cpu(), params)  # (V,)
+    q_row = builder.add_probs(q)
+    draws = sample_from_probs(q[None], generator, width)[0].tolist()
+    return [builder.add_proposal(node, t, q_row=q_row) for t in draws][0]
+
+
 class DistilledSpeculator:
     """Greedy-spine tree drafting with a :class:`DistilledSSM` (the Speculator protocol).
 
@@ -244,13 +280,6 @@ class DistilledSpeculator:
         self._history = [int(t) for t in prompt_ids]
         self._spine = []
 
-    def _fitting_widths(self, max_depth: int | None, max_nodes: int | None, room: int) -> tuple[int, ...]:
-        widths = self.widths if max_depth is None else self.widths[: max(max_depth, 0)]
-        widths = widths[: max(room + 1, 0)]  # depth D feeds D - 1 spine tokens
-        while widths and max_nodes is not None and 1 + sum(widths) > max_nodes:
-            widths = widths[:-1]
-        return widths
-
     def propose(
         self,
         params: SamplingParams,
@@ -272,7 +301,8 @@ class DistilledSpeculator:
             logits = ssm.draft_logits(torch.tensor([feed], dtype=torch.long, device=device), cache)[0, -1]  # (K,)
             cache.commit(0, range(len(feed)))
             self._spine = []
-            widths = self._fitting_widths(max_depth, max_nodes, cache.capacity - int(cache.lengths[0]))
+            # Depth D feeds D - 1 spine tokens into the cache.
+            widths = fit_spine_widths(self.widths, max_depth, max_nodes, cache.capacity - int(cache.lengths[0]) + 1)
             node = 0
             for depth, width in enumerate(widths):
                 if depth > 0:  # feed the spine node to get its next-token logits
@@ -280,18 +310,8 @@ class DistilledSpeculator:
                     logits = ssm.draft_logits(torch.tensor([[token]], dtype=torch.long, device=device), cache)[0, -1]
                     cache.commit(0, [0])
                     self._spine.append(token)
-                width = min(width, logits.numel())
-                if is_greedy:
-                    picks = ssm.draft_ids[torch.topk(logits, width).indices].tolist()
-                    children = [builder.add_proposal(node, t) for t in picks]
-                else:
-                    q = logits_to_probs(ssm.to_full_vocab(logits).cpu(), params)  # (V,)
-                    q_row = builder.add_probs(q)
-                    draws = sample_from_probs(q[None], generator, width)[0].tolist()
-                    children = [
-                        builder.add_proposal(node, t, q_row=q_row) for t in draws
-                    ]
-                node = children[0]
+                node = add_spine_children(builder, node, logits, ssm.draft_ids, ssm.to_full_vocab, params,
+                                          generator, width)
                 # Greedy early stop: extending a spine child the SSM doubts rarely pays for its cost.
                 if is_greedy and self.min_confidence > 0 and float(torch.softmax(logits, -1).max()) < self.min_confidence:
                     break
