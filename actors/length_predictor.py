@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treeserve.actors.verifier import SerialOffload, _body, _int
+from treeserve.actors.verifier import SerialOffload, _body, _device, _int, _model_name, _str_or_none
 from treeserve.runtime import Actor, handler
 
 
@@ -59,15 +59,10 @@ class LengthPredictorConfig:
         unknown = sorted(str(k) for k in config if k not in known)
         if unknown:
             raise ValueError(f"unknown LengthPredictorActor config keys {unknown}; known keys: {sorted(known)}")
-        model = config.get("model")
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"model must be a registry name, .gguf path or folder, got {model!r}")
-        for name in ("cache_dir", "predictor"):
-            if config.get(name) is not None and not isinstance(config[name], str):
-                raise ValueError(f"{name} must be a string or null, got {config[name]!r}")
-        device = config.get("device", "cpu")
-        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        model = _model_name(config.get("model"))
+        cache_dir = _str_or_none(config.get("cache_dir"), "cache_dir")
+        predictor = _str_or_none(config.get("predictor"), "predictor")
+        device = _device(config.get("device", "cpu"))
         num_threads = config.get("num_threads")
         if num_threads is not None:
             _int(num_threads, "num_threads", minimum=1)
@@ -75,7 +70,7 @@ class LengthPredictorConfig:
         if not isinstance(online, bool):
             raise ValueError(f"online must be true or false, got {online!r}")
         max_pending = _int(config.get("max_pending", 4096), "max_pending", minimum=1)
-        return cls(model, config.get("cache_dir"), device, config.get("predictor"), num_threads, online, max_pending)
+        return cls(model, cache_dir, device, predictor, num_threads, online, max_pending)
 
 
 class LengthPredictorActor(Actor):

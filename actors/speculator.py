@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from treeserve.actors.tree_wire import params_from_wire, tree_to_wire
-from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _int
+from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _device, _int, _model_name, _str_or_none
 from treeserve.ops.drafting import ModelSpeculator, Speculator, validate_expansion
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
@@ -134,21 +134,15 @@ class SpeculatorConfig:
         unknown = sorted(str(k) for k in config if k not in known)
         if unknown:
             raise ValueError(f"unknown SpeculatorActor config keys {unknown}; known keys: {sorted(known)}")
-        model = config.get("model")
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"model must be a registry name, .gguf path or folder, got {model!r}")
+        model = _model_name(config.get("model"))
         specs = config.get("speculators", [])
         if not isinstance(specs, (list, tuple)):
             raise ValueError("speculators must be a list of {'kind': ...} maps")
         dtype = config.get("dtype", "float32")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        device = config.get("device", "cpu")
-        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-        cache_dir = config.get("cache_dir")
-        if cache_dir is not None and not isinstance(cache_dir, str):
-            raise ValueError(f"cache_dir must be a string or null, got {cache_dir!r}")
+        device = _device(config.get("device", "cpu"))
+        cache_dir = _str_or_none(config.get("cache_dir"), "cache_dir")
         capacity = config.get("capacity")
         if capacity is not None:
             _int(capacity, "capacity", minimum=2)

@@ -64,6 +64,18 @@ def _int(value: Any, name: str, *, minimum: int = 0) -> int:
     return value
 
 
+def _model_name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"model must be a registry name, .gguf path or folder, got {value!r}")
+    return value
+
+
+def _device(value: Any) -> str:
+    if not isinstance(value, str) or not (value == "cpu" or value.startswith("cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+    return value
+
+
 def _str_or_none(value: Any, name: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{name} must be a string or null, got {value!r}")
@@ -103,8 +115,7 @@ class VerifierConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a registry name, .gguf path or folder, got {self.model!r}")
+        _model_name(self.model)
         _str_or_none(self.cache_dir, "cache_dir")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -114,8 +125,7 @@ class VerifierConfig:
             raise ValueError(f"tp_rank must be < tp_size ({self.tp_size}), got {self.tp_rank}")
         if self.tp_size > 1 and not (isinstance(self.dist_init, str) and self.dist_init.startswith(("tcp://", "file://"))):
             raise ValueError(f"tp_size > 1 needs dist_init like 'tcp://127.0.0.1:PORT', got {self.dist_init!r}")
-        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _device(self.device)
         _int(self.num_rows, "num_rows", minimum=1)
         if self.row_capacity is not None:
             _int(self.row_capacity, "row_capacity", minimum=2)

@@ -63,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cache-dir", type=Path, default=None, help="weight cache (default: $TREESERVE_CACHE or ~/.cache/treeserve)")
 
     pull = sub.add_parser("pull", help="fetch and convert the default model into the local cache")
+    def _add_teacher_flags(p: argparse.ArgumentParser) -> None:
+        """Model, prompts and teacher-data flags shared by `distill` and `distill-features`."""
+        add_model_flags(p)
+        p.add_argument("--prompts", type=Path, nargs="+", default=[Path(f"bench/data/{n}.jsonl") for n in DISTILL_SETS],
+                       help="JSONL prompt files (never the evaluation sets mtbench/humaneval)")
+        p.add_argument("--work-dir", type=Path, default=None,
+                       help="teacher data and checkpoints, shared by distill and distill-features; a rerun resumes "
+                            "from them (default: <cache>/distill/<model>)")
+        p.add_argument("--max-prompts", type=int, default=800)
+        p.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length cap")
+        p.add_argument("--batch-size", type=int, default=16, help="teacher generation batch")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+
     add_model_flags(pull)
 
     gen = sub.add_parser("generate", help="print one completion of PROMPT")
@@ -123,15 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     distill = sub.add_parser(
         "distill", help="distil small speculative models (SSMs) from the model by boost-tuning (see treeserve.ops.distill)"
     )
-    add_model_flags(distill)
-    distill.add_argument("--prompts", type=Path, nargs="+", default=[Path(f"bench/data/{n}.jsonl") for n in DISTILL_SETS],
-                         help="JSONL prompt files (never the evaluation sets mtbench/humaneval)")
-    distill.add_argument("--work-dir", type=Path, default=None,
-                         help="teacher data and checkpoints; a rerun resumes from them (default: <cache>/distill/<model>)")
+    _add_teacher_flags(distill)
     distill.add_argument("--out", type=Path, default=None, help="weights file (default: <work-dir>/ssm.safetensors)")
-    distill.add_argument("--max-prompts", type=int, default=800)
-    distill.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length cap")
-    distill.add_argument("--batch-size", type=int, default=16, help="teacher generation batch")
     distill.add_argument("--num-ssms", type=int, default=2)
     distill.add_argument("--layers", type=int, default=1, help="decoder layers per SSM")
     distill.add_argument("--ffn-dim", type=int, default=1024)
@@ -141,26 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--lr", type=float, default=2e-3)
     distill.add_argument("--tokens-per-batch", type=int, default=1024)
     distill.add_argument("--heldout", type=int, default=16, help="sequences kept out of training to measure agreement")
-    distill.add_argument("--seed", type=int, default=0)
-    distill.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
     features = sub.add_parser(
         "distill-features", help="train the feature-level drafter (EAGLE-style) on the model's own states")
-    add_model_flags(features)
-    features.add_argument("--prompts", type=Path, nargs="+", default=[Path(f"bench/data/{n}.jsonl") for n in DISTILL_SETS],
-                          help="JSONL prompt files (never the evaluation sets mtbench/humaneval)")
-    features.add_argument("--work-dir", type=Path, default=None,
-                          help="teacher data, states and checkpoints, shared with `distill`; a rerun resumes")
+    _add_teacher_flags(features)
     features.add_argument("--out", type=Path, default=None, help="weights file (default: <work-dir>/feature_drafter.safetensors)")
-    features.add_argument("--max-prompts", type=int, default=800)
-    features.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length cap")
-    features.add_argument("--batch-size", type=int, default=16, help="teacher generation batch")
     features.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
     features.add_argument("--epochs", type=int, default=20)
     features.add_argument("--lr", type=float, default=1e-3)
     features.add_argument("--heldout", type=int, default=32, help="sequences kept out of training to measure agreement")
-    features.add_argument("--seed", type=int, default=0)
-    features.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
     node = sub.add_parser("node", help="offer this host's devices to a head server")
     node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
@@ -510,10 +506,24 @@ class _StageProgress:
         _progress(f"{stage}: {done}/{total} ({now - self.stage_started:.0f} s{eta})")
 
 
+def _distill_inputs(args: argparse.Namespace) -> tuple[str, Path]:
+    """The model name and the work dir of `distill`/`distill-features`, after refusing missing
+    prompt files and the evaluation sets."""
+    from treeserve.models import DEFAULT_MODEL, resolve_cache_dir
+
+    for path in args.prompts:
+        if not path.is_file():
+            raise UserError(f"no prompt file {path}")
+        if path.stem in ("mtbench", "humaneval"):
+            raise UserError(f"{path} is an evaluation set: training on it would inflate the benchmark")
+    name = args.model or DEFAULT_MODEL
+    return name, args.work_dir or resolve_cache_dir(args.cache_dir) / "distill" / Path(name).stem.lower()
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.models import DEFAULT_MODEL, load_model, resolve_cache_dir
+    from treeserve.models import load_model
     from treeserve.ops.distill import BoostConfig, read_prompts, run_distillation, select_prompts
 
     torch.set_num_threads(max(args.threads, 1))
@@ -524,13 +534,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
                              tokens_per_batch=args.tokens_per_batch, seed=args.seed)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    for path in args.prompts:
-        if not path.is_file():
-            raise UserError(f"no prompt file {path}")
-        if path.stem in ("mtbench", "humaneval"):
-            raise UserError(f"{path} is an evaluation set: distilling on it would inflate the benchmark")
-    name = args.model or DEFAULT_MODEL
-    work_dir = args.work_dir or resolve_cache_dir(args.cache_dir) / "distill" / Path(name).stem.lower()
+    name, work_dir = _distill_inputs(args)
     out = args.out or work_dir / "ssm.safetensors"
     if (work_dir / "teacher").exists():
         _progress(f"resuming from the checkpoints in {work_dir}")
@@ -561,7 +565,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def cmd_distill_features(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.models import DEFAULT_MODEL, load_model, resolve_cache_dir
+    from treeserve.models import load_model
     from treeserve.ops.distill import generate_teacher_data, read_prompts, select_prompts
     from treeserve.ops.feature_distill import (
         StateSequence,
@@ -574,17 +578,11 @@ def cmd_distill_features(args: argparse.Namespace) -> int:
     from treeserve.ops.ssm import ssm_config_for
 
     torch.set_num_threads(max(args.threads, 1))
-    for path in args.prompts:
-        if not path.is_file():
-            raise UserError(f"no prompt file {path}")
-        if path.stem in ("mtbench", "humaneval"):
-            raise UserError(f"{path} is an evaluation set: training on it would inflate the benchmark")
+    name, work_dir = _distill_inputs(args)
     try:
         config = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    name = args.model or DEFAULT_MODEL
-    work_dir = args.work_dir or resolve_cache_dir(args.cache_dir) / "distill" / Path(name).stem.lower()
     out = args.out or work_dir / "feature_drafter.safetensors"
     loaded = load_model(name, dtype=torch.float32, cache_dir=_cache_dir(args), progress=_progress)
     model, tokenizer = loaded.model, loaded.tokenizer
