@@ -38,6 +38,7 @@ import numpy as np
 from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
 from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
+from treeserve.ops.drafting import split_node_budget
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import FinishReason, emit_until_done
 from treeserve.ops.token_tree import TokenTree, merge_trees
@@ -380,7 +381,10 @@ class SchedulerActor(Actor):
         batch = [r for r in self._running.values() if not r.is_cancelled]
         if not batch:
             return
-        budget = self.config.max_tree_nodes if self._adaptive is None else self._adaptive.tree_budget(len(batch))
+        # A step where no row speculates says nothing about tree budgets: the policy neither
+        # chooses for it nor learns from it (else a plain step would be costed as a tree step).
+        adaptive = self._adaptive if any(r.speculate != "none" for r in batch) else None
+        budget = self.config.max_tree_nodes if adaptive is None else adaptive.tree_budget(len(batch))
         started = time.perf_counter()
         trees = await self._propose(batch, budget)
         proposed = time.perf_counter()
@@ -398,9 +402,9 @@ class SchedulerActor(Actor):
         self._counters["num_steps"] += 1
         self._timers["propose_s"] += proposed - started
         self._timers["verify_s"] += verified - proposed
-        if self._adaptive is not None:
+        if adaptive is not None:
             try:
-                self._adaptive.observe(
+                adaptive.observe(
                     num_rows=len(batch), budget=budget, nodes_per_row=[t.num_nodes for t in trees],
                     accepted_per_row=[len(r["accepted"]) - 1 for r in reply["rows"]],
                     verify_s=verified - proposed, propose_s=proposed - started,
@@ -429,10 +433,8 @@ class SchedulerActor(Actor):
         speculating = [r for r in batch if r.speculate != "none" and r.params.max_new_tokens - len(r.emitted) > 1]
         per_request: dict[str, list[TokenTree]] = {r.request_id: [] for r in batch}
         # A fixed per-speculator share of the budget, so the merged tree never needs a size cut
-        # that would depend on the draws; a budget too small to share goes to the first one.
-        shares = [1 + (budget - 1) // len(self.speculators)] * len(self.speculators) if self.speculators else []
-        if shares and shares[0] == 1:
-            shares = [budget] + [1] * (len(shares) - 1)
+        # that would depend on the draws; what does not divide evenly goes to the first ones.
+        shares = split_node_budget(budget, len(self.speculators))
         asked = [index for index, share in enumerate(shares) if share > 1]
         if speculating and asked:
             calls = []

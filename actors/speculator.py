@@ -33,7 +33,8 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
   caller sends ``history`` next time. ``states`` (float ``(n, D)``) are the LLM's final hidden
   states of the request's tokens since the last ones sent, in order (with ``history``: of all
   of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
-  "expansion": [4, 2, 1]}``: the greedy spine's widths) draft from them.
+  "expansion": [4, 2, 1]}``: the greedy spine's widths; optional ``"dynamic": [depth, top_k,
+  num_nodes]``: confidence-shaped trees for greedy requests) draft from them.
 * ``release {"request_id"}`` -> None (idempotent).
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a
@@ -54,7 +55,7 @@ from torch import Tensor
 
 from treeserve.actors.tree_wire import params_from_wire, tree_to_wire
 from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _device, _int, _model_name, _str_or_none
-from treeserve.ops.drafting import ModelSpeculator, Speculator, validate_expansion
+from treeserve.ops.drafting import ModelSpeculator, Speculator, split_node_budget, validate_expansion
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
@@ -67,7 +68,7 @@ _KIND_KEYS: Mapping[str, frozenset[str]] = {
     "self": frozenset({"kind", "layers", "expansion"}),
     "model": frozenset({"kind", "model", "expansion"}),
     "distilled": frozenset({"kind", "path", "index", "expansion"}),
-    "feature": frozenset({"kind", "path", "expansion"}),
+    "feature": frozenset({"kind", "path", "expansion", "dynamic"}),
 }
 
 
@@ -103,6 +104,12 @@ class SpeculatorSpec:
                 # the greedy spine's widths per depth.
                 if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
                     raise ValueError("a 'feature' speculator's 'path' must be a weights file path or null")
+                # dynamic: [depth, top_k, num_nodes] for greedy requests' confidence-shaped trees, or null.
+                if options.get("dynamic") is not None:
+                    dynamic = validate_expansion(options["dynamic"])
+                    if len(dynamic) != 3:
+                        raise ValueError("a 'feature' speculator's 'dynamic' is [depth, top_k, num_nodes] or null")
+                    options["dynamic"] = dynamic
             elif kind == "distilled":
                 # path: a `treeserve distill` weights file (default: the shipped one); index: which SSM in it.
                 if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
@@ -282,7 +289,8 @@ class SpeculatorActor(Actor):
                 from treeserve.ops.feature_drafter import FeatureDrafter, FeatureSpeculator
 
                 assert isinstance(drafter, FeatureDrafter)
-                speculators.append(FeatureSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity))
+                speculators.append(FeatureSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity,
+                                                     dynamic=spec.options.get("dynamic")))
             else:
                 assert drafter is not None
                 speculators.append(ModelSpeculator(drafter, spec.options["expansion"], capacity=self.config.capacity))
@@ -333,8 +341,10 @@ class SpeculatorActor(Actor):
         # The node budget is split between the speculators BEFORE drafting: each limits its tree
         # from worst-case sizes, never by cutting a drawn tree (a cut that depends on the draws
         # biases multi-step speculative sampling). The merged trie has at most 1 + sum(share - 1).
-        share = None if max_nodes is None else 1 + (max_nodes - 1) // len(state.speculators)
-        trees = [s.propose(params, state.generator, max_depth=max_depth, max_nodes=share) for s in state.speculators]
+        count = len(state.speculators)
+        shares: Sequence[int | None] = [None] * count if max_nodes is None else split_node_budget(max_nodes, count)
+        trees = [s.propose(params, state.generator, max_depth=max_depth, max_nodes=share)
+                 for s, share in zip(state.speculators, shares)]
         tree = merge_trees(trees)
         if tree.root_token != state.last_token:
             raise RuntimeError(f"a speculator drafted from token {tree.root_token}, expected {state.last_token}")

@@ -6,11 +6,14 @@ Measures, with greedy decoding:
 * batch 1: tokens/s, mean tokens per verify step and time to first token for
   ``--speculate none``, ``chain`` and ``tree`` (the modes rotate per prompt, so a noisy
   machine hurts them alike; medians over prompts);
-* total tokens/s and median TTFT with 1, 4 and 16 concurrent clients (``--clients``) for no
-  speculation, fixed-size tree speculation (adaptive sizing off: every step drafts
-  ``max_tree_nodes`` per row) and adaptive tree speculation (a second server with adaptive
-  sizing on; key ``tree-adaptive@N``). The adaptive server is warmed up with one pass before
-  it is timed, since its policy learns the step costs and acceptance as it serves.
+* total tokens/s and median TTFT with 1, 4 and 16 concurrent clients (``--clients``) for
+  fixed-size tree speculation (a server with adaptive sizing off: every step drafts
+  ``max_tree_nodes`` per row; key ``tree@N``), then, on a second server with adaptive sizing
+  on, no speculation (``none@N``: requests with ``speculate="none"``, which the adaptive
+  policy neither sizes nor learns from) and adaptive tree speculation (``tree-adaptive@N``),
+  alternating. The adaptive server is warmed up with one pass before it is timed, since its
+  policy learns the step costs and acceptance as it serves. Each mode runs ``--rounds``
+  passes (order rotated per round); the median pass is reported.
 
 Usage::
 
@@ -141,23 +144,36 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ttft_s": _median([r["ttft_s"] for r in batch1[mode]]),
                     "ratio_to_none": tps / base if base else 0.0,
                 }
-            for speculate in ("none", "tree"):
-                for num_clients in args.clients:
-                    key = f"{speculate}@{num_clients}"
-                    result["concurrency"][key] = await concurrency(
-                        server.endpoint, prompts, speculate, num_clients, args.max_tokens)
-                    _log(f"{key}: {result['concurrency'][key]['total_tokens_per_s']:.1f} tok/s total")
+            for num_clients in args.clients:
+                await _rounds(result, server.endpoint, prompts, {"tree": "tree"}, num_clients, args)
         adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
         async with Server(adaptive, progress=_log) as server:
             for num_clients in args.clients:
                 await concurrency(server.endpoint, prompts, "tree", num_clients, args.max_tokens)  # learn
-                key = f"tree-adaptive@{num_clients}"
-                result["concurrency"][key] = await concurrency(
-                    server.endpoint, prompts, "tree", num_clients, args.max_tokens)
-                _log(f"{key}: {result['concurrency'][key]['total_tokens_per_s']:.1f} tok/s total")
+                await _rounds(result, server.endpoint, prompts, {"none": "none", "tree-adaptive": "tree"},
+                              num_clients, args)
             assert server.scheduler is not None
             result["adaptive_state"] = (await server.scheduler.ask("stats")).get("adaptive")
     return result
+
+
+async def _rounds(result: dict[str, Any], endpoint: str, prompts: list[str], modes: dict[str, str],
+                  num_clients: int, args: argparse.Namespace) -> None:
+    """``args.rounds`` passes of every mode (key -> speculate) at ``num_clients``, the order
+    rotated each round; each key gets the pass with the median total tokens/s plus every
+    round's figure (``rounds_tokens_per_s``)."""
+    names = list(modes)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for index in range(args.rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(await concurrency(endpoint, prompts, modes[name], num_clients, args.max_tokens))
+            _log(f"{name}@{num_clients} round {index + 1}: {runs[name][-1]['total_tokens_per_s']:.1f} tok/s total")
+    for name, passes in runs.items():
+        ordered = sorted(passes, key=lambda r: r["total_tokens_per_s"])
+        median = dict(ordered[(len(ordered) - 1) // 2])
+        median["rounds_tokens_per_s"] = [round(r["total_tokens_per_s"], 2) for r in passes]
+        result["concurrency"][f"{name}@{num_clients}"] = median
 
 
 def main() -> None:
@@ -172,6 +188,7 @@ def main() -> None:
     parser.add_argument("--max-tree-nodes", type=int, default=64, help="tree cap per row (fixed trees use all of it)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels")
     parser.add_argument("--skip-batch1", action="store_true", help="only the concurrency runs")
+    parser.add_argument("--rounds", type=int, default=3, help="passes per mode and concurrency (median reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = uvloop.run(bench(args))

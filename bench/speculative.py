@@ -196,7 +196,9 @@ def treeserve_modes(model: Transformer, names: Sequence[str], available: Availab
             which = which or next(k for k in ("feature", "distilled", "ngram") if k in specs)
             chosen = specs.get(which, [])[:1]
         elif kind == "tree" and which == "merged":
-            chosen = [s for k, kind_specs in specs.items() if merge is None or k in merge for s in kind_specs]
+            # In --merge order: at a node, stochastic verification tries speculators in order.
+            kinds = list(specs) if merge is None else [k for k in merge if k in specs]
+            chosen = [s for k in kinds for s in specs[k]]
         elif kind == "tree":
             chosen = specs.get(which, [])
         else:
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="registry name, .gguf path or HF folder (default: SmolLM2-135M)")
     parser.add_argument("--max-tree-nodes", type=int, default=64, help="token tree budget per verify step")
     parser.add_argument("--merge", nargs="+", default=None, metavar="KIND",
-                        help="speculator kinds tree:merged merges (default: every available kind)")
+                        help="speculator kinds tree:merged merges, in the order tried at a node (default: every available kind)")
     parser.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each mode's warm-up run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser

@@ -58,6 +58,20 @@ NextLogitsFn = Callable[[list[int], list[int], list[int]], Tensor]
 frontier node of the partial tree given by ``parents``/``tokens`` (root first)."""
 
 
+def split_node_budget(max_nodes: int, num_speculators: int) -> list[int]:
+    """Per-speculator node limits (root included) whose trie merge fits ``max_nodes`` nodes.
+
+    Merged trees share the root, so the merge has at most ``1 + sum(limit - 1)`` nodes: the
+    ``max_nodes - 1`` draft nodes are split evenly, the remainder to the first speculators
+    (so 2 nodes over 2 speculators give the first one a draft and the second none, rather than
+    nothing to either). Fixed before drafting: a cut that depended on the draws would bias
+    multi-step speculative sampling."""
+    if num_speculators < 1:
+        return []
+    drafts, extra = divmod(max(max_nodes - 1, 0), num_speculators)
+    return [1 + drafts + (1 if index < extra else 0) for index in range(num_speculators)]
+
+
 def validate_expansion(expansion: Sequence[int]) -> tuple[int, ...]:
     """Check an expansion config (e.g. ``(1, 1, 3, 1, 1)``) and return it as a tuple."""
     config = tuple(expansion)

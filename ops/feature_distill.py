@@ -37,22 +37,114 @@ def _no_progress(stage: str, done: int, total: int, figures: dict[str, float]) -
 
 @dataclass(frozen=True)
 class StateSequence:
-    """One sequence with the LLM's final hidden states ``(L, D)`` (float16) and top-1 next tokens ``(L,)``."""
+    """One sequence with the LLM's final hidden states ``(L, D)`` (float16) and top-1 next tokens
+    ``(L,)``; its first ``prompt_len`` tokens are the prompt (0: unknown, all count as generated)."""
 
     token_ids: Tensor
     states: Tensor
     top1: Tensor
+    prompt_len: int = 0
 
 
-def collect_states(model: Transformer, sequences: Sequence[Tensor], *, progress: Progress = _no_progress) -> list[StateSequence]:
+def collect_states(model: Transformer, sequences: Sequence[Tensor], *, prompt_lens: Sequence[int] | None = None,
+                   progress: Progress = _no_progress) -> list[StateSequence]:
     """Run every token sequence through ``model`` once and keep its final hidden states."""
     out = []
+    lens = list(prompt_lens) if prompt_lens is not None else [0] * len(sequences)
     for index, tokens in enumerate(sequences):
         ids = tokens.to(torch.long).reshape(-1)
         with torch.no_grad():
             logits, hidden = model(ids[None].to(model.device), model.new_cache(1, ids.numel()), return_hidden=True)
-        out.append(StateSequence(ids.cpu(), hidden[0].to(torch.float16).cpu(), logits[0].argmax(-1).cpu()))
+        out.append(StateSequence(ids.cpu(), hidden[0].to(torch.float16).cpu(), logits[0].argmax(-1).cpu(), lens[index]))
         progress("states", index + 1, len(sequences), {})
+    return out
+
+
+def generate_state_data(
+    model: Transformer,
+    starts: Sequence[tuple[Sequence[int], int]],
+    work_dir: str | Path,
+    *,
+    max_new_tokens: int,
+    stop_ids: frozenset[int] | set[int],
+    batch_size: int = 16,
+    progress: Progress = _no_progress,
+) -> list[StateSequence]:
+    """The LLM's greedy continuations of ``starts`` with its states, in one pass (no second run).
+
+    ``starts[i]`` is ``(token ids, prompt_len)``: a chat prompt (``prompt_len`` = its length) or
+    a prompt plus the start of the LLM's own greedy answer (from ``treeserve distill``'s teacher
+    data), which is continued until ``max_new_tokens`` tokens follow the prompt or a stop token
+    ends it. Each start is prefilled alone (its states and top-1 at every position), then the
+    batch decodes one token per forward. One shard per batch under ``work_dir/states``; shards
+    on disk are loaded, so an interrupted run resumes at the first missing one.
+    """
+    folder = Path(work_dir) / "states"
+    folder.mkdir(parents=True, exist_ok=True)
+    num_batches = math.ceil(len(starts) / batch_size)
+    out: list[StateSequence] = []
+    begun = time.monotonic()
+    for index in range(num_batches):
+        path = folder / f"shard_{index:05d}.pt"
+        chunk = starts[index * batch_size: (index + 1) * batch_size]
+        if path.exists():
+            records = [StateSequence(**r) for r in torch.load(path, weights_only=True)["records"]]
+        else:
+            records = _continue_with_states(model, chunk, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"records": [r.__dict__ for r in records]}, tmp)
+            tmp.replace(path)
+        out.extend(records)
+        progress("states", index + 1, num_batches, {"elapsed_s": time.monotonic() - begun})
+    return out
+
+
+def _continue_with_states(model: Transformer, starts: Sequence[tuple[Sequence[int], int]], *,
+                          max_new_tokens: int, stop_ids: frozenset[int] | set[int]) -> list[StateSequence]:
+    batch = len(starts)
+    seqs = [[int(t) for t in ids] for ids, _ in starts]
+    prompt_lens = [int(n) for _, n in starts]
+    if any(not seq or not 0 < n <= len(seq) for seq, n in zip(seqs, prompt_lens)):
+        raise ValueError("every start needs tokens and a prompt_len in [1, its length]")
+    cache = model.new_cache(batch, max(max(len(s) for s in seqs), max(prompt_lens) + max_new_tokens) + 1)
+    device = model.device
+    states: list[list[Tensor]] = [[] for _ in range(batch)]
+    top1: list[list[Tensor]] = [[] for _ in range(batch)]
+    is_done = [False] * batch
+    with torch.no_grad():
+        for row, seq in enumerate(seqs):
+            scratch = model.new_cache(1, len(seq))
+            logits, hidden = model(torch.tensor([seq], device=device), scratch, return_hidden=True)
+            for layer in range(cache.num_layers):
+                cache.keys[layer][row, :, : len(seq)] = scratch.keys[layer][0]
+                cache.values[layer][row, :, : len(seq)] = scratch.values[layer][0]
+            cache.lengths[row] = len(seq)
+            states[row].append(hidden[0].to(torch.float16).cpu())
+            top1[row].append(logits[0].argmax(-1).cpu())
+            is_done[row] = seq[-1] in stop_ids and len(seq) > prompt_lens[row] or len(seq) - prompt_lens[row] >= max_new_tokens
+        while not all(is_done):
+            for row in range(batch):
+                if not is_done[row]:
+                    token = int(top1[row][-1][-1])
+                    seqs[row].append(token)
+                    is_done[row] = token in stop_ids or len(seqs[row]) - prompt_lens[row] >= max_new_tokens
+            if all(is_done):
+                break
+            feed = torch.tensor([[seq[-1]] for seq in seqs], device=device)  # (B, 1)
+            logits, hidden = model(feed, cache, return_hidden=True)  # finished rows ride along, uncommitted
+            for row in range(batch):
+                if is_done[row]:
+                    cache.commit(row, [])
+                    continue
+                cache.commit(row, [0])
+                states[row].append(hidden[row].to(torch.float16).cpu())
+                top1[row].append(logits[row].argmax(-1).cpu())
+    # The last token's state was never computed (nothing follows it): cut it off.
+    out = []
+    for row in range(batch):
+        state = torch.cat(states[row])
+        length = state.shape[0]
+        out.append(StateSequence(torch.tensor(seqs[row][:length]), state, torch.cat(top1[row]), prompt_lens[row]))
     return out
 
 
@@ -80,50 +172,112 @@ def _windows(data: Sequence[StateSequence], length: int) -> list[tuple[int, int]
     return out
 
 
-def _batch(data: Sequence[StateSequence], picks: Sequence[tuple[int, int]], length: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Inputs ``(f_t, x_{t+1})`` and target states ``f_{t+1}``, cut to the shortest window."""
+def _batch(data: Sequence[StateSequence], picks: Sequence[tuple[int, int]], length: int,
+           prompt_weight: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Inputs ``(f_t, x_{t+1})``, target states ``f_{t+1}`` and per-position loss weights, cut to
+    the shortest window. A pair whose token ``x_{t+1}`` is a prompt token other than the last
+    one never roots a draft (drafting starts at the prompt's last token): its weight is
+    ``prompt_weight``."""
     span = min(min(data[i].token_ids.numel() - 1 - s, length) for i, s in picks)
     states = torch.stack([data[i].states[s: s + span] for i, s in picks]).float()  # (B, T, D)
     tokens = torch.stack([data[i].token_ids[s + 1: s + 1 + span] for i, s in picks])  # (B, T)
     targets = torch.stack([data[i].states[s + 1: s + 1 + span] for i, s in picks]).float()  # (B, T, D)
-    return states, tokens, targets
+    index = torch.arange(span)
+    weights = torch.stack([
+        torch.where(s + 1 + index >= data[i].prompt_len - 1, 1.0, prompt_weight) for i, s in picks])  # (B, T)
+    return states, tokens, targets, weights
 
 
-def feature_loss(drafter: FeatureDrafter, states: Tensor, tokens: Tensor, targets: Tensor, *,
-                 state_weight: float = 1.0) -> tuple[Tensor, Tensor]:
-    """(loss, predicted draft logits): cross entropy to the LLM's draft-vocabulary distribution
-    at the next position plus ``state_weight`` times smooth L1 to its next state."""
-    predicted = drafter.features(states, tokens, drafter.new_cache(tokens.shape[0], tokens.shape[1]))
-    logits = drafter.head(predicted)  # (B, T, K)
+def _second_step_mask(batch: int, span: int) -> Tensor:
+    """``(B, 1, T, 2T)``: second-step token ``j`` sees the first pass's pairs before ``j`` (the
+    true states a draft's context holds) and itself, as a depth-2 draft node does."""
+    index = torch.arange(span)
+    first = index[None, :] < index[:, None]  # (T, T): slot s < j
+    own = torch.eye(span, dtype=torch.bool)
+    return torch.cat([first, own], dim=1)[None, None].expand(batch, 1, span, 2 * span)
+
+
+def unrolled_features(drafter: FeatureDrafter, states: Tensor, tokens: Tensor, *,
+                      steps: int = 1) -> list[Tensor]:
+    """The drafter's predicted states ``(B, T, D)`` per draft step, over a causal window.
+
+    Step 1 reads the LLM's true states (the first draft after a verified token). Step 2 at
+    ``j`` reads step 1's *prediction* of ``f_j`` with the true token ``x_{j+1}``, over the true
+    pairs before ``j``: what a second draft step sees when the first draft was right (EAGLE-3's
+    "training-time test"); its position 0 has no predicted input and is left out of losses.
+    """
+    if steps not in (1, 2):
+        raise ValueError(f"steps must be 1 or 2, got {steps}")
+    batch, span = tokens.shape
+    first_cache = drafter.new_cache(batch, span)
+    first = drafter.features(states, tokens, first_cache)
+    if steps == 1:
+        return [first]
+    # A second cache holding the first pass's pairs as committed slots; built out of place, since
+    # writing into the first cache would change tensors its attention saved for backward.
+    cache = drafter.new_cache(batch, 2 * span)
+    for layer in range(cache.num_layers):
+        for slots, written in ((cache.keys, first_cache.keys), (cache.values, first_cache.values)):
+            slots[layer] = torch.cat([written[layer][:, :, :span], slots[layer][:, :, span:]], dim=2)
+    cache.lengths.fill_(span)
+    shifted = torch.cat([states[:, :1].to(first.dtype), first[:, :-1]], dim=1)
+    positions = torch.arange(span, device=tokens.device)[None].expand(batch, span)
+    mask = _second_step_mask(batch, span).to(tokens.device)
+    second = drafter.features(shifted, tokens, cache, positions=positions, slot_mask=mask)
+    return [first, second]
+
+
+def feature_loss(drafter: FeatureDrafter, states: Tensor, tokens: Tensor, targets: Tensor,
+                 weights: Tensor | None = None, *, state_weight: float = 1.0, steps: int = 1) -> tuple[Tensor, Tensor]:
+    """(loss, first-step draft logits): per draft step (:func:`unrolled_features`), cross
+    entropy to the LLM's draft-vocabulary distribution at the next position plus
+    ``state_weight`` times smooth L1 to its next state, averaged under ``weights`` ``(B, T)``."""
+    predicted = unrolled_features(drafter, states, tokens, steps=steps)
     with torch.no_grad():
         teacher = F.softmax(drafter.head(targets.to(drafter.dtype)), dim=-1)
-    cross_entropy = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-    return cross_entropy + state_weight * F.smooth_l1_loss(predicted.float(), targets), logits
+    w = torch.ones(tokens.shape, device=tokens.device) if weights is None else weights.to(tokens.device)
+    loss = torch.zeros((), device=tokens.device)
+    first_logits = drafter.head(predicted[0])
+    for step, states_k in enumerate(predicted):
+        logits = first_logits if step == 0 else drafter.head(states_k)  # (B, T, K)
+        wk = w if step == 0 else w * (torch.arange(w.shape[1], device=w.device) > 0)
+        cross_entropy = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
+        smooth = F.smooth_l1_loss(states_k.float(), targets, reduction="none").mean(-1)  # (B, T)
+        loss = loss + ((cross_entropy + state_weight * smooth) * wk).sum() / wk.sum().clamp(min=1e-6)
+    return loss, first_logits
 
 
 def evaluate_top1(drafter: FeatureDrafter, data: Sequence[StateSequence], *, length: int = 256,
-                  batch_size: int = 8) -> float:
-    """Fraction of positions where the drafter's first-step top-1 equals the LLM's top-1."""
+                  batch_size: int = 8, generated_only: bool = False, step: int = 1) -> float:
+    """Fraction of positions where the drafter's top-1 at draft ``step`` (1 or 2, see
+    :func:`unrolled_features`) equals the LLM's top-1; ``generated_only``: only the positions
+    that root drafts in serving (from the prompt's last token on), which is what acceptance
+    depends on (prompt positions are easier)."""
     windows = _windows(data, length)
     hits = total = 0
     drafter.eval()
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             picks = windows[start: start + batch_size]
-            states, tokens, _ = _batch(data, picks, length)
-            predicted = drafter.features(states, tokens, drafter.new_cache(tokens.shape[0], tokens.shape[1]))
+            states, tokens, _, weights = _batch(data, picks, length, prompt_weight=0.0 if generated_only else 1.0)
+            predicted = unrolled_features(drafter, states, tokens, steps=step)[-1]
             guess = drafter.draft_ids[drafter.head(predicted).argmax(-1)]  # (B, T)
             span = tokens.shape[1]
             truth = torch.stack([data[i].top1[s + 1: s + 1 + span] for i, s in picks])
-            hits += int((guess == truth).sum())
-            total += truth.numel()
+            counted = weights > 0
+            if step == 2:
+                counted[:, 0] = False
+            hits += int(((guess == truth) & counted).sum())
+            total += int(counted.sum())
     return hits / max(total, 1)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimiser and schedule: AdamW at ``lr`` with cosine decay over ``epochs``, gradient norm
-    clipped at ``clip``; windows of ``length`` positions, ``batch_size`` per step."""
+    clipped at ``clip``; windows of ``length`` positions, ``batch_size`` per step. ``steps``: draft
+    steps unrolled in the loss (2 also trains on the drafter's own predicted states);
+    ``prompt_weight``: loss weight of positions that never root a draft (inside the prompt)."""
 
     epochs: int = 20
     lr: float = 1e-3
@@ -132,9 +286,13 @@ class TrainConfig:
     clip: float = 1.0
     state_weight: float = 1.0
     seed: int = 0
+    steps: int = 2
+    prompt_weight: float = 0.2
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.length < 2 or not self.lr > 0 or not self.clip > 0:
+            raise ValueError(f"bad TrainConfig {self}")
+        if self.steps not in (1, 2) or not 0 <= self.prompt_weight <= 1:
             raise ValueError(f"bad TrainConfig {self}")
 
 
@@ -178,7 +336,8 @@ def train_feature_drafter(
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             picks = windows[index * config.batch_size: (index + 1) * config.batch_size]
-            loss, _ = feature_loss(drafter, *_batch(data, picks, config.length), state_weight=config.state_weight)
+            loss, _ = feature_loss(drafter, *_batch(data, picks, config.length, config.prompt_weight),
+                                   state_weight=config.state_weight, steps=config.steps)
             optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(trainable, config.clip)
@@ -186,7 +345,8 @@ def train_feature_drafter(
             done = step + 1 - first_epoch * steps_per_epoch
             rate = (time.monotonic() - started) / done
             progress("train", step + 1, total_steps, {"loss": loss.item(), "eta_s": rate * (total_steps - step - 1)})
-        history.append(evaluate_top1(drafter, held_out, length=config.length) if held_out else math.nan)
+        history.append(evaluate_top1(drafter, held_out, length=config.length, generated_only=True)
+                       if held_out else math.nan)
         progress("epoch", epoch + 1, config.epochs, {"held_out_top1": history[-1]})
         if path is not None:
             state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}
@@ -205,5 +365,7 @@ __all__ = [
     "draft_vocabulary",
     "evaluate_top1",
     "feature_loss",
+    "generate_state_data",
     "train_feature_drafter",
+    "unrolled_features",
 ]

@@ -240,12 +240,15 @@ class Transformer(nn.Module):
         small.rope_sin = self.rope_sin
         return small
 
-    def run_blocks(self, h: Tensor, cache: KVCache, positions: Tensor | None, tree_mask: Tensor | None) -> Tensor:
+    def run_blocks(self, h: Tensor, cache: KVCache, positions: Tensor | None, tree_mask: Tensor | None,
+                   slot_mask: Tensor | None = None) -> Tensor:
         """Every block over the new tokens' input states ``h`` ``(B, T, D)``, appending their
         K/V to ``cache`` as pending slots (``positions`` None: right after each row's committed
         tokens; ``tree_mask`` ``(B, T, T)`` or None for a causal chain); returns the last block's
         output, before the final norm. :meth:`forward` validates its inputs first; subclasses
-        that feed other input states (drafters) call this directly, outside inference mode."""
+        that feed other input states (drafters) call this directly, outside inference mode.
+        ``slot_mask`` ``(B, 1, T, S)`` (True = attend, ``S`` = longest row + ``T``) replaces the
+        prefix + ``tree_mask`` rule, for training that must hide committed slots."""
         batch, num_new = h.shape[:2]
         if positions is None:
             positions = cache.lengths[:, None] + torch.arange(num_new, device=h.device)  # (B, T)
@@ -254,7 +257,11 @@ class Transformer(nn.Module):
         # One mask for all layers; None when every visible slot is attended (plain decode).
         same_lengths = all(length == lengths[0] for length in lengths)
         is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
-        if (num_new == 1 and same_lengths) or is_causal:
+        if slot_mask is not None:
+            if slot_mask.shape != (batch, 1, num_new, num_slots):
+                raise ValueError(f"slot_mask must be {(batch, 1, num_new, num_slots)}, got {tuple(slot_mask.shape)}")
+            mask, is_causal = slot_mask, False
+        elif (num_new == 1 and same_lengths) or is_causal:
             mask = None
         else:
             mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treeserve.ops.drafting import Speculator
+from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator, sample_token
@@ -211,8 +211,8 @@ def generate_speculative(
             length = int(cache.lengths[0])
             room = min(capacity - length, max_tree_nodes)
             # The merged tree has at most 1 + sum(nodes_k - 1) nodes, so split the room.
-            per_speculator = 1 + (room - 1) // max(len(speculators), 1)
-            trees = [s.propose(params, generator, remaining - 1, per_speculator) for s in speculators]
+            shares = split_node_budget(room, len(speculators))
+            trees = [s.propose(params, generator, remaining - 1, share) for s, share in zip(speculators, shares)]
             tree = merge_trees(trees) if trees else TokenTree.from_parents([-1], [root])
             if mode is SpeculationMode.CHAIN:
                 tree = tree.first_chain()

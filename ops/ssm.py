@@ -213,12 +213,22 @@ def fit_spine_widths(
 ) -> tuple[int, ...]:
     """The spine widths a proposal may use, cut before any draw (so the cut never depends on
     the draws): at most ``max_depth`` and ``max_spine_depth`` (the drafter cache's room) deep,
-    and at most ``max_nodes`` nodes (``1 + sum(widths)``, root included)."""
+    and at most ``max_nodes`` nodes (``1 + sum(widths)``, root included). A node budget below
+    the full spine keeps the chain of first choices as deep as it fits, then gives the rest to
+    the alternatives, shallowest first: ``(4, 2, 1)`` in 4 nodes is ``(1, 1, 1)``, in 6 is
+    ``(3, 1, 1)`` (a first draft is the likeliest to be accepted, and its alternatives next)."""
     cut = tuple(widths) if max_depth is None else tuple(widths)[: max(max_depth, 0)]
     cut = cut[: max(max_spine_depth, 0)]
-    while cut and max_nodes is not None and 1 + sum(cut) > max_nodes:
-        cut = cut[:-1]
-    return cut
+    if max_nodes is None or 1 + sum(cut) <= max_nodes:
+        return cut
+    drafted = max(max_nodes - 1, 0)
+    fitted = [1] * min(len(cut), drafted)
+    spare = drafted - len(fitted)
+    for depth, width in enumerate(fitted and cut[: len(fitted)]):
+        extra = min(width - 1, spare)
+        fitted[depth] += extra
+        spare -= extra
+    return tuple(fitted)
 
 
 def add_spine_children(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     features.add_argument("--epochs", type=int, default=20)
     features.add_argument("--lr", type=float, default=1e-3)
     features.add_argument("--heldout", type=int, default=32, help="sequences kept out of training to measure agreement")
+    features.add_argument("--init", type=Path, default=None,
+                          help="continue training this drafter file (its draft vocabulary is kept) instead of a new one")
+    features.add_argument("--steps", type=int, default=2, choices=(1, 2),
+                          help="draft steps unrolled in training (2: also on the drafter's own predicted states)")
+    features.add_argument("--prompt-weight", type=float, default=0.2,
+                          help="loss weight of prompt positions, which never root a draft")
 
     node = sub.add_parser("node", help="offer this host's devices to a head server")
     node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
@@ -562,25 +569,52 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _teacher_starts(work_dir: Path, prompts: list[list[int]], batch_size: int) -> list[tuple[list[int], int]]:
+    """Per prompt, the longest start on disk: `distill`'s teacher continuation when its shard
+    exists (same prompt order and batch), else the prompt itself."""
+    import torch
+
+    starts: list[tuple[list[int], int]] = [(p, len(p)) for p in prompts]
+    for index in range(math.ceil(len(prompts) / batch_size)):
+        path = work_dir / "teacher" / f"shard_{index:05d}.pt"
+        if not path.exists():
+            break
+        for offset, record in enumerate(torch.load(path, weights_only=True)["records"]):
+            row = index * batch_size + offset
+            ids = [int(t) for t in record["token_ids"]]
+            if row < len(prompts) and ids[: len(prompts[row])] == prompts[row]:
+                starts[row] = (ids, len(prompts[row]))
+    return starts
+
+
+def _drafter_metadata(path: Path) -> Any:
+    """The training record stored in a feature-drafter file (what a fine-tune started from)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return json.loads((handle.metadata() or {}).get("metadata", "{}"))
+
+
 def cmd_distill_features(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.ops.distill import generate_teacher_data, read_prompts, select_prompts
+    from treeserve.ops.distill import read_prompts, select_prompts
     from treeserve.ops.feature_distill import (
-        StateSequence,
         TrainConfig,
-        collect_states,
         draft_vocabulary,
+        evaluate_top1,
+        generate_state_data,
         train_feature_drafter,
     )
-    from treeserve.ops.feature_drafter import init_feature_drafter, save_feature_drafter
+    from treeserve.ops.feature_drafter import init_feature_drafter, load_feature_drafter, save_feature_drafter
     from treeserve.ops.ssm import ssm_config_for
 
     torch.set_num_threads(max(args.threads, 1))
     name, work_dir = _distill_inputs(args)
     try:
-        config = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed)
+        config = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, steps=args.steps,
+                             prompt_weight=args.prompt_weight)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     out = args.out or work_dir / "feature_drafter.safetensors"
@@ -593,34 +627,45 @@ def cmd_distill_features(args: argparse.Namespace) -> int:
     _progress(f"{len(prompts)} prompts, work dir {work_dir}")
     started = time.perf_counter()
     stage = _StageProgress()
-    teacher = generate_teacher_data(model, prompts, work_dir, batch_size=args.batch_size,
-                                    max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, progress=stage)
-    states_path = work_dir / f"feature_states_{len(prompts)}.pt"
-    if states_path.exists():
-        data = [StateSequence(**d) for d in torch.load(states_path, weights_only=True)]
-    else:
-        data = collect_states(model, [t.token_ids for t in teacher], progress=lambda s, d, t, f: stage(s, d, t))
-        torch.save([d.__dict__ for d in data], states_path)
+    starts = _teacher_starts(work_dir, prompts, args.batch_size)
+    reused = sum(len(ids) > n for ids, n in starts)
+    if reused:
+        _progress(f"continuing {reused} answers from `treeserve distill`'s teacher data")
+    data = generate_state_data(model, starts, work_dir / f"states_{args.max_new_tokens}", batch_size=args.batch_size,
+                               max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids,
+                               progress=lambda s, d, t, f: stage(s, d, t))
     train, heldout = data[: -args.heldout], data[-args.heldout:]
-    draft_ids = draft_vocabulary(train, args.draft_vocab)
-    drafter = init_feature_drafter(
-        model, ssm_config_for(model, num_layers=1, ffn_dim=model.config.ffn_dim, draft_vocab_size=args.draft_vocab),
-        draft_ids)
+    if args.init is not None:
+        try:
+            drafter = load_feature_drafter(model, args.init)  # keeps its draft vocabulary
+        except (FileNotFoundError, ValueError) as exc:
+            raise UserError(str(exc)) from None
+    else:
+        drafter = init_feature_drafter(
+            model, ssm_config_for(model, num_layers=1, ffn_dim=model.config.ffn_dim, draft_vocab_size=args.draft_vocab),
+            draft_vocabulary(train, args.draft_vocab))
 
     def report(stage_name: str, done: int, total: int, figures: dict[str, float]) -> None:
         stage(stage_name, done, total)
         if stage_name == "epoch":
-            _progress(f"epoch {done}/{total}: held-out top-1 agreement {figures['held_out_top1']:.3f}")
+            _progress(f"epoch {done}/{total}: held-out top-1 agreement on generated positions "
+                      f"{figures['held_out_top1']:.3f}")
 
-    history = train_feature_drafter(drafter, train, config, held_out=heldout,
-                                    checkpoint=work_dir / f"feature_ckpt_{args.draft_vocab}.pt", progress=report)
+    start = "" if args.init is None else f"_from_{args.init.stem}"
+    checkpoint = work_dir / f"feature_ckpt_{args.draft_vocab}_{args.max_new_tokens}_{len(prompts)}{start}.pt"
+    history = train_feature_drafter(drafter, train, config, held_out=heldout, checkpoint=checkpoint, progress=report)
+    second = evaluate_top1(drafter, heldout, length=config.length, generated_only=True, step=2)
     save_feature_drafter(drafter, out, metadata={
         "train": config.__dict__, "num_train_sequences": len(train), "num_heldout_sequences": len(heldout),
-        "heldout_top1": history, "prompts": [str(p) for p in args.prompts], "max_prompts": args.max_prompts,
+        "num_train_positions": sum(d.token_ids.numel() for d in train),
+        "num_train_generated_positions": sum(d.token_ids.numel() - d.prompt_len for d in train),
+        "heldout_generated_top1": history, "heldout_generated_top1_step2": second,
+        "prompts": [str(p) for p in args.prompts], "max_prompts": args.max_prompts,
         "max_new_tokens": args.max_new_tokens, "model": name,
+        "init": None if args.init is None else {"path": str(args.init), "metadata": _drafter_metadata(args.init)},
     })
     _progress(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - started:.0f} s; "
-              f"held-out top-1 agreement {history[-1]:.3f}")
+              f"held-out top-1 agreement on generated positions {history[-1]:.3f} (second draft step {second:.3f})")
     print(out)
     return 0
 

@@ -38,13 +38,19 @@ SCHEDULER_POLICIES = ("fcfs", "ssjf", "hrrn", "sjf-oracle")
 
 def default_speculators(model: str) -> tuple[Mapping[str, Any], ...]:
     """The speculators a server runs unless told otherwise: the n-gram drafter, merged with the
-    shipped feature-level drafter when ``model`` is the default model it was trained for."""
+    shipped feature-level drafter when ``model`` is the default model it was trained for.
+
+    The feature drafter comes first: at a tree node, multi-step speculative sampling tries the
+    proposals in speculator order, and a rejected n-gram point mass tried first would leave
+    the better drafter's draws to be judged against the residual distribution (temperature
+    0.8, MT-Bench: 1.13x incremental feature-first vs 1.04x n-gram-first; greedy is
+    unaffected). Small tree budgets go to the first speculator as well."""
     from treeserve.models import DEFAULT_MODEL
     from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, DEFAULT_FEATURE_WIDTHS
 
     specs = [dict(s) for s in DEFAULT_SPECULATORS]
     if model == DEFAULT_MODEL and DEFAULT_FEATURE_DRAFTER_FILE.is_file():
-        specs.append({"kind": "feature", "path": None, "expansion": list(DEFAULT_FEATURE_WIDTHS)})
+        specs.insert(0, {"kind": "feature", "path": None, "expansion": list(DEFAULT_FEATURE_WIDTHS)})
     return tuple(specs)
 
 

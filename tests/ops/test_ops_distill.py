@@ -258,3 +258,55 @@ def test_cli_distill_writes_weights_and_resumes_after_an_interruption(
     with pytest.raises(SystemExit) as refused:
         cli.main([*argv[:-1], "128"])  # other settings in the same work dir
     assert refused.value.code == 2
+
+
+def test_cli_distill_features_continues_the_teacher_answers_and_fine_tunes(tmp_path: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from treeserve import cli
+    from treeserve.models import load_model
+    from treeserve.ops.feature_drafter import load_feature_drafter
+
+    folder = _load_tiny_model_files().write_tiny_hf_model(tmp_path / "tiny")  # type: ignore[attr-defined]
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    gen = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"prompt": " ".join(f"w{int(t)}" for t in torch.randint(6, 97, (5,), generator=gen))})
+             for _ in range(10)]
+    prompts = tmp_path / "train_prompts.jsonl"
+    prompts.write_text("\n".join(lines))
+    work = tmp_path / "work"
+    common = ["--model", str(folder), "--prompts", str(prompts), "--work-dir", str(work), "--max-prompts", "10",
+              "--batch-size", "4"]
+    # `distill` leaves its teacher answers (6 tokens each) in the work dir.
+    with pytest.raises(SystemExit) as done:
+        cli.main(["distill", *common, "--max-new-tokens", "6", "--draft-vocab", "30", "--ffn-dim", "32",
+                  "--epochs", "1", "--boost-epochs", "1", "--num-ssms", "1", "--heldout", "2",
+                  "--tokens-per-batch", "64", "--out", str(tmp_path / "ssm.safetensors")])
+    assert done.value.code == 0
+    teacher = [r for s in sorted((work / "teacher").glob("shard_*.pt")) for r in torch.load(s)["records"]]
+    first = tmp_path / "fd.safetensors"
+    features = ["distill-features", *common, "--max-new-tokens", "12", "--draft-vocab", "30", "--heldout", "2"]
+    with pytest.raises(SystemExit) as done:
+        cli.main([*features, "--epochs", "2", "--out", str(first)])
+    assert done.value.code == 0 and first.exists()
+    states = [r for s in sorted((work / "states_12" / "states").glob("shard_*.pt")) for r in torch.load(s)["records"]]
+    assert len(states) == len(teacher) == 10
+    for answer, record in zip(teacher, states):
+        # The teacher's 6-token answer is continued (to 12 tokens, or to a stop token).
+        assert record["token_ids"][: len(answer["token_ids"])].tolist() == answer["token_ids"].tolist()
+        assert record["prompt_len"] == answer["prompt_len"]
+    model = load_model(folder).model
+    tuned = tmp_path / "tuned.safetensors"
+    with pytest.raises(SystemExit) as done:
+        cli.main([*features, "--epochs", "1", "--init", str(first), "--out", str(tuned)])
+    assert done.value.code == 0
+    with safe_open(str(tuned), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["metadata"])
+    assert meta["init"]["path"] == str(first) and len(meta["init"]["metadata"]["heldout_generated_top1"]) == 2
+    before, after = load_feature_drafter(model, first), load_feature_drafter(model, tuned)
+    assert torch.equal(before.draft_ids, after.draft_ids)  # the vocabulary is kept
+    assert not torch.equal(before.fc.weight, after.fc.weight)  # and the weights trained on

@@ -112,6 +112,65 @@ def test_drafts_stay_in_the_draft_vocabulary_and_limits_apply_before_drafting() 
     assert speculator.propose(SamplingParams(), None).num_nodes == 1
 
 
+def _primed(verifier: Transformer, drafter, prompt: list[int], **kwargs) -> FeatureSpeculator:  # type: ignore[no-untyped-def]
+    speculator = FeatureSpeculator(drafter, **kwargs)
+    speculator.prefill(prompt)
+    speculator.add_features(causal_states(verifier, prompt[:-1]))
+    return speculator
+
+
+def test_dynamic_tree_keeps_the_likeliest_paths() -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier)
+    prompt = [4, 8, 15, 16, 23]
+    greedy = SamplingParams()
+
+    def shape(tree):  # type: ignore[no-untyped-def]
+        return tree.parents.tolist(), tree.tokens.tolist()
+
+    # One child per node: the dynamic tree is the drafter's greedy chain.
+    chain = _primed(verifier, drafter, prompt, widths=(1, 1, 1)).propose(greedy, None)
+    assert shape(_primed(verifier, drafter, prompt, dynamic=(3, 1, 4)).propose(greedy, None)) == shape(chain)
+    # One level: the top-k children of the root, as the spine's first level.
+    level = _primed(verifier, drafter, prompt, widths=(3,)).propose(greedy, None)
+    assert shape(_primed(verifier, drafter, prompt, dynamic=(1, 3, 4)).propose(greedy, None)) == shape(level)
+    # Bigger: within its budget and depth, and the likeliest nodes first, so a smaller budget
+    # keeps a subset of a larger one's paths.
+    speculator = _primed(verifier, drafter, prompt, dynamic=(4, 3, 9))
+    tree = speculator.propose(greedy, None)
+    assert tree.num_nodes == 9 and int(tree.depths().max()) <= 4
+
+    def paths(t):  # type: ignore[no-untyped-def]
+        parents, tokens = t.parents.tolist(), t.tokens.tolist()
+        out = set()
+        for node in range(1, len(tokens)):
+            path, walk = [], node
+            while walk > 0:
+                path.append(tokens[walk])
+                walk = parents[walk]
+            out.add(tuple(reversed(path)))
+        return out
+
+    sizes = [paths(speculator.propose(greedy, None, max_nodes=n)) for n in range(2, 10)]
+    assert all(len(a) == n - 1 and a < b for n, (a, b) in enumerate(zip(sizes, sizes[1:]), start=2))
+    assert any(len(p) > 1 for p in sizes[-1]) and len({p[0] for p in sizes[-1]}) > 1  # a tree, not a chain
+    assert speculator.propose(greedy, None, max_nodes=5).num_nodes == 5
+    assert int(speculator.propose(greedy, None, max_depth=2).depths().max()) <= 2
+    # Sampling keeps the spine (i.i.d. draws at each spine node), whatever `dynamic` says.
+    sampled = speculator.propose(SamplingParams(temperature=1.0, seed=1), torch.Generator().manual_seed(0))
+    assert sampled.num_nodes <= 1 + sum(speculator.widths)
+
+
+def test_greedy_generation_with_a_dynamic_tree_is_lossless() -> None:
+    verifier = tiny_verifier()
+    speculators = [FeatureSpeculator(tiny_drafter(verifier), dynamic=(4, 3, 10)),
+                   NGramSpeculator(TINY["vocab_size"], num_draft_tokens=3)]
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in ([1, 2, 3], [7, 7, 8, 50, 3, 2, 9], [5]):
+        reference = generate_incremental(verifier, prompt, params)
+        assert generate_speculative(verifier, speculators, prompt, params).token_ids == reference.token_ids
+
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     verifier = tiny_verifier()
     drafter = tiny_drafter(verifier)

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops.drafting import ModelSpeculator, expand_token_tree, validate_expansion, worst_case_num_nodes
+from treeserve.ops.drafting import (
+    ModelSpeculator,
+    expand_token_tree,
+    split_node_budget,
+    validate_expansion,
+    worst_case_num_nodes,
+)
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
 
@@ -148,3 +154,16 @@ def test_model_speculator_respects_max_depth_and_cache_room() -> None:
     assert worst_case_num_nodes((2, 2, 2, 2)) == [1, 3, 7, 15, 31]
     with pytest.raises(RuntimeError, match="prefill"):
         ModelSpeculator(ssm, (1,)).propose(SamplingParams(), None)
+
+
+def test_node_budget_split_fits_the_merge_and_never_wastes_a_small_budget() -> None:
+    for budget in range(1, 40):
+        for count in range(1, 5):
+            shares = split_node_budget(budget, count)
+            assert len(shares) == count and min(shares) >= 1
+            # The trie merge of trees within these limits has at most this many nodes.
+            assert 1 + sum(s - 1 for s in shares) == max(budget, 1)
+            assert shares == sorted(shares, reverse=True) and max(shares) - min(shares) <= 1
+    # Two nodes over two speculators: the first drafts one token (an even split gave none).
+    assert split_node_budget(2, 2) == [2, 1]
+    assert split_node_budget(64, 2) == [33, 32]

@@ -1,0 +1,130 @@
+"""Training the feature drafter (treeserve.ops.feature_distill): the second unrolled draft step
+sees exactly what a depth-2 draft sees when serving, prompt positions are weighted as asked,
+held-out agreement can count generated positions only, and training lowers the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_ops_feature_drafter import tiny_drafter, tiny_verifier
+from treeserve.ops.feature_distill import (
+    StateSequence,
+    TrainConfig,
+    _batch,
+    collect_states,
+    evaluate_top1,
+    feature_loss,
+    train_feature_drafter,
+    unrolled_features,
+)
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> object:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def sequences(verifier, num: int, length: int, prompt_len: int, seed: int = 0) -> list[StateSequence]:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, verifier.config.vocab_size, (length,), generator=gen) for _ in range(num)]
+    return collect_states(verifier, tokens, prompt_lens=[prompt_len] * num)
+
+
+def test_second_step_matches_a_depth_two_draft_at_serving_time() -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier)
+    data = sequences(verifier, 1, 12, 0)
+    states, tokens, _, _ = _batch(data, [(0, 0)], 11)
+    with torch.no_grad():
+        first, second = unrolled_features(drafter, states, tokens, steps=2)
+        for j in range(1, tokens.shape[1]):
+            # Serving: the true pairs before j are committed; the depth-2 node feeds the
+            # drafter's own prediction of f_j with the token x_{j+1}, at position j.
+            cache = drafter.new_cache(1, 32)
+            prefix = drafter.features(states[:, :j], tokens[:, :j], cache)
+            cache.commit(0, range(j))
+            assert torch.allclose(prefix[0, -1], first[0, j - 1], atol=1e-5)
+            node = drafter.features(prefix[:, -1:], tokens[:, j: j + 1], cache)
+            assert torch.allclose(node[0, 0], second[0, j], atol=1e-5), j
+
+
+def test_prompt_positions_get_the_prompt_weight() -> None:
+    verifier = tiny_verifier()
+    data = sequences(verifier, 2, 10, 4)
+    _, _, _, weights = _batch(data, [(0, 0), (1, 0)], 9, prompt_weight=0.25)
+    # Pair t holds token x_{t+1}; drafting starts at the prompt's last token (index 3).
+    assert weights[0].tolist() == [0.25, 0.25, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    _, _, _, late = _batch(data, [(0, 4)], 5, prompt_weight=0.25)
+    assert late.tolist() == [[1.0] * 5]
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_generated_only_agreement_counts_the_generated_positions(step: int) -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier)
+    data = sequences(verifier, 2, 16, 8)
+    with torch.no_grad():
+        states, tokens, _, _ = _batch(data, [(0, 0), (1, 0)], 15)
+        predicted = unrolled_features(drafter, states, tokens, steps=step)[-1]
+        right = drafter.draft_ids[drafter.head(predicted).argmax(-1)] == torch.stack([d.top1[1:] for d in data])
+    first = max(8 - 2, 1 if step == 2 else 0)  # pair t holds x_{t+1}; drafting starts at x_7
+    expected_generated = right[:, first:].float().mean().item()
+    expected_all = right[:, 1 if step == 2 else 0:].float().mean().item()
+    assert evaluate_top1(drafter, data, length=15, generated_only=True, step=step) == pytest.approx(expected_generated)
+    assert evaluate_top1(drafter, data, length=15, step=step) == pytest.approx(expected_all)
+
+
+def test_training_lowers_both_steps_losses() -> None:
+    verifier = tiny_verifier()
+    drafter = tiny_drafter(verifier)
+    data = sequences(verifier, 6, 24, 6, seed=3)
+    batch = _batch(data, [(i, 0) for i in range(6)], 23, prompt_weight=0.2)
+    with torch.no_grad():
+        before = feature_loss(drafter, *batch, steps=2)[0].item()
+    history = train_feature_drafter(drafter, data, TrainConfig(epochs=6, lr=3e-3, batch_size=3, length=23),
+                                    held_out=data[:2])
+    with torch.no_grad():
+        after = feature_loss(drafter, *batch, steps=2)[0].item()
+    assert len(history) == 6
+    assert after < 0.8 * before, (before, after)
+
+
+def test_train_config_rejects_bad_unrolling() -> None:
+    with pytest.raises(ValueError):
+        TrainConfig(steps=3)
+    with pytest.raises(ValueError):
+        TrainConfig(prompt_weight=1.5)
+
+
+def test_state_data_is_the_greedy_answer_with_its_states_and_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from treeserve.ops.feature_distill import generate_state_data
+    from treeserve.ops.sampling import SamplingParams
+    from treeserve.ops.speculative import generate_incremental
+
+    verifier = tiny_verifier()
+    prompts = [[3, 9, 27, 81], [5, 6, 7, 8, 9, 10]]
+    data = generate_state_data(verifier, [(p, len(p)) for p in prompts], tmp_path / "a",
+                               max_new_tokens=12, stop_ids=frozenset(), batch_size=2)
+    for prompt, record in zip(prompts, data):
+        answer = generate_incremental(verifier, prompt, SamplingParams(max_new_tokens=12)).token_ids
+        # The last token's state is never computed, so it is cut off.
+        assert record.token_ids.tolist() == prompt + answer[:-1]
+        assert record.prompt_len == len(prompt)
+        reference = collect_states(verifier, [record.token_ids])[0]
+        assert torch.allclose(record.states.float(), reference.states.float(), atol=2e-3)
+        assert torch.equal(record.top1, reference.top1)
+    # Continuing the first answer's first 5 tokens ends in the same sequence.
+    partial = prompts[0] + data[0].token_ids[4:9].tolist()
+    again = generate_state_data(verifier, [(partial, 4)], tmp_path / "b", max_new_tokens=12, stop_ids=frozenset())
+    assert again[0].token_ids.tolist() == data[0].token_ids.tolist()
+    # A rerun loads the shard instead of generating.
+    shard = tmp_path / "a" / "states" / "shard_00000.pt"
+    stamp = shard.stat().st_mtime_ns
+    assert [d.token_ids.tolist() for d in generate_state_data(
+        verifier, [(p, len(p)) for p in prompts], tmp_path / "a", max_new_tokens=12, stop_ids=frozenset(),
+        batch_size=2)] == [d.token_ids.tolist() for d in data]
+    assert shard.stat().st_mtime_ns == stamp
