@@ -213,12 +213,9 @@ def _load_tiny_model_files() -> object:
     return module
 
 
-def test_cli_distill_writes_weights_and_resumes_after_an_interruption(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _tiny_chat_model_and_prompts(tmp_path: Path, num_prompts: int) -> tuple[Path, Path]:
+    """A tiny HF model folder with a chat template, and a JSONL file of random prompts."""
     import json
-
-    from treeserve import cli
 
     folder = _load_tiny_model_files().write_tiny_hf_model(tmp_path / "tiny")  # type: ignore[attr-defined]
     settings = json.loads((folder / "tokenizer_config.json").read_text())
@@ -226,9 +223,18 @@ def test_cli_distill_writes_weights_and_resumes_after_an_interruption(
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     gen = torch.Generator().manual_seed(0)
     lines = [json.dumps({"prompt": " ".join(f"w{int(t)}" for t in torch.randint(6, 97, (5,), generator=gen))})
-             for _ in range(14)]
+             for _ in range(num_prompts)]
     prompts = tmp_path / "train_prompts.jsonl"
     prompts.write_text("\n".join(lines))
+    return folder, prompts
+
+
+def test_cli_distill_writes_weights_and_resumes_after_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from treeserve import cli
+
+    folder, prompts = _tiny_chat_model_and_prompts(tmp_path, 14)
     out = tmp_path / "ssm.safetensors"
     argv = ["distill", "--model", str(folder), "--prompts", str(prompts), "--work-dir", str(tmp_path / "work"),
             "--out", str(out), "--max-prompts", "14", "--batch-size", "4", "--max-new-tokens", "8",
@@ -269,15 +275,7 @@ def test_cli_distill_features_continues_the_teacher_answers_and_fine_tunes(tmp_p
     from treeserve.models import load_model
     from treeserve.ops.feature_drafter import load_feature_drafter
 
-    folder = _load_tiny_model_files().write_tiny_hf_model(tmp_path / "tiny")  # type: ignore[attr-defined]
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    settings["chat_template"] = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    gen = torch.Generator().manual_seed(0)
-    lines = [json.dumps({"prompt": " ".join(f"w{int(t)}" for t in torch.randint(6, 97, (5,), generator=gen))})
-             for _ in range(10)]
-    prompts = tmp_path / "train_prompts.jsonl"
-    prompts.write_text("\n".join(lines))
+    folder, prompts = _tiny_chat_model_and_prompts(tmp_path, 10)
     work = tmp_path / "work"
     common = ["--model", str(folder), "--prompts", str(prompts), "--work-dir", str(work), "--max-prompts", "10",
               "--batch-size", "4"]

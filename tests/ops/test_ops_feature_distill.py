@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_ops_feature_drafter import tiny_drafter, tiny_verifier
+from tests.ops.test_ops_feature_drafter import single_thread, tiny_drafter, tiny_verifier  # noqa: F401 - autouse fixture
 from treeserve.ops.feature_distill import (
     StateSequence,
     TrainConfig,
@@ -18,14 +18,6 @@ from treeserve.ops.feature_distill import (
     train_feature_drafter,
     unrolled_features,
 )
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> object:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def sequences(verifier, num: int, length: int, prompt_len: int, seed: int = 0) -> list[StateSequence]:  # type: ignore[no-untyped-def]
