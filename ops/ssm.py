@@ -224,7 +224,7 @@ def fit_spine_widths(
     drafted = max(max_nodes - 1, 0)
     fitted = [1] * min(len(cut), drafted)
     spare = drafted - len(fitted)
-    for depth, width in enumerate(fitted and cut[: len(fitted)]):
+    for depth, width in enumerate(cut[: len(fitted)]):
         extra = min(width - 1, spare)
         fitted[depth] += extra
         spare -= extra

@@ -257,3 +257,14 @@ def test_speculator_actor_config_loads_a_distilled_ssm(tmp_path: Path) -> None:
         {"kind": "distilled", "path": str(tmp_path / "none.safetensors"), "expansion": [2]}]})
     with pytest.raises(FileNotFoundError):
         missing_file._load()
+
+
+def test_a_small_node_budget_keeps_the_chain_of_first_choices() -> None:
+    from treeserve.ops.ssm import fit_spine_widths
+
+    # Chain first, then alternatives from the shallowest depth (dropping whole depths instead
+    # left nothing to draft under 8 nodes, which made small adaptive budgets useless).
+    assert [fit_spine_widths((4, 2, 1), None, n, 100) for n in range(1, 10)] == [
+        (), (1,), (1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 1)]
+    assert fit_spine_widths((4, 2, 1), 2, 6, 100) == (4, 1)  # depth cut first, then the node budget
+    assert fit_spine_widths((4, 2, 1), None, 4, 2) == (1, 1)  # and the drafter cache's room
