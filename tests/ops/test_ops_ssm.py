@@ -267,4 +267,4 @@ def test_a_small_node_budget_keeps_the_chain_of_first_choices() -> None:
     assert [fit_spine_widths((4, 2, 1), None, n, 100) for n in range(1, 10)] == [
         (), (1,), (1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 1)]
     assert fit_spine_widths((4, 2, 1), 2, 6, 100) == (4, 1)  # depth cut first, then the node budget
-    assert fit_spine_widths((4, 2, 1), None, 4, 2) == (1, 1)  # and the drafter cache's room
+    assert fit_spine_widths((4, 2, 1), None, 4, 2) == (2, 1)  # and the drafter cache's room (2 depths)
