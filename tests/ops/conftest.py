@@ -17,14 +17,15 @@ from treeserve.ops.model import ModelConfig, Transformer
 TINY = dict(vocab_size=101, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256)
 
 
-def make_tiny_model(seed: int = 0, **overrides: Any) -> Transformer:
-    """A tiny float32 LLaMA-style model with random weights (biases and norms randomised too)."""
+def make_tiny_model(seed: int = 0, *, weight_scale: float = 0.2, **overrides: Any) -> Transformer:
+    """A tiny float32 LLaMA-style model with random weights (biases and norms randomised too):
+    norm scales ``1 + 0.5 N(0, 1)``, every other weight ``weight_scale * N(0, 1)``."""
     config = ModelConfig(**{**TINY, **overrides})
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            scale = 0.5 if "norm" in name else 0.2
+            scale = 0.5 if "norm" in name else weight_scale
             base = 1.0 if "norm" in name else 0.0
             param.copy_(base + scale * torch.randn(param.shape, generator=gen))
     return model.eval()

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import treeserve.ops.distill as distill
+from tests.ops.conftest import make_tiny_model
 from treeserve.ops.distill import (
     BoostConfig,
     TeacherSequence,
@@ -23,23 +24,16 @@ from treeserve.ops.distill import (
     top1_agreement,
     train_ssm,
 )
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental, generate_speculative
 from treeserve.ops.ssm import init_ssm_from_verifier, load_distilled_speculators, load_ssms, ssm_config_for
 
-TINY = dict(vocab_size=101, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256)
 STOP = frozenset({2})
 
 
 def tiny_teacher(seed: int = 0) -> Transformer:
-    model = Transformer(ModelConfig(**TINY))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            base, scale = (1.0, 0.5) if "norm" in name else (0.0, 0.3)
-            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
-    return model.eval().requires_grad_(False)
+    return make_tiny_model(seed, weight_scale=0.3).requires_grad_(False)
 
 
 def random_prompts(num: int, seed: int = 0) -> list[list[int]]:

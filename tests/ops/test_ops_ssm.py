@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.ops.conftest import TINY, make_tiny_model
 from treeserve.ops.drafting import ModelSpeculator
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
@@ -23,18 +24,11 @@ from treeserve.ops.ssm import (
     ssm_config_for,
 )
 
-TINY = dict(vocab_size=101, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256)
 
 
 def tiny_verifier(seed: int = 0) -> Transformer:
     """A tiny random tied-embedding model (the SSM shares its embedding)."""
-    model = Transformer(ModelConfig(**TINY))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            base, scale = (1.0, 0.5) if "norm" in name else (0.0, 0.3)
-            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
-    return model.eval()
+    return make_tiny_model(seed, weight_scale=0.3)
 
 
 def tiny_ssm(verifier: Transformer, *, num_layers: int = 1, draft_vocab: int = 40, ffn_dim: int = 64, seed: int = 1) -> DistilledSSM:
