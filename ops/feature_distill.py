@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treeserve.ops.batch_step import prefill_row_with_states
 from treeserve.ops.feature_drafter import FeatureDrafter
 from treeserve.ops.model import Transformer
 
@@ -113,14 +114,9 @@ def _continue_with_states(model: Transformer, starts: Sequence[tuple[Sequence[in
     is_done = [False] * batch
     with torch.no_grad():
         for row, seq in enumerate(seqs):
-            scratch = model.new_cache(1, len(seq))
-            logits, hidden = model(torch.tensor([seq], device=device), scratch, return_hidden=True)
-            for layer in range(cache.num_layers):
-                cache.keys[layer][row, :, : len(seq)] = scratch.keys[layer][0]
-                cache.values[layer][row, :, : len(seq)] = scratch.values[layer][0]
-            cache.lengths[row] = len(seq)
-            states[row].append(hidden[0].to(torch.float16).cpu())
-            top1[row].append(logits[0].argmax(-1).cpu())
+            _, hidden = prefill_row_with_states(model, cache, row, seq)  # (n, D)
+            states[row].append(hidden.to(torch.float16).cpu())
+            top1[row].append(F.linear(hidden, model.lm_head_weight).argmax(-1).cpu())
             is_done[row] = seq[-1] in stop_ids and len(seq) > prompt_lens[row] or len(seq) - prompt_lens[row] >= max_new_tokens
         while not all(is_done):
             for row in range(batch):

@@ -123,14 +123,10 @@ class FeatureDrafter(Transformer):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-def _lm_head(verifier: Transformer) -> Tensor:
-    return verifier.embed_tokens.weight if verifier.lm_head is None else verifier.lm_head.weight
-
-
 def init_feature_drafter(verifier: Transformer, config: SSMConfig, draft_ids: Tensor) -> FeatureDrafter:
     """A drafter whose block copies the verifier's last one and whose fusion starts as
     "embedding plus a little state", so training starts from a sensible point."""
-    drafter = FeatureDrafter(config, verifier.embed_tokens, _lm_head(verifier)).to(verifier.dtype)
+    drafter = FeatureDrafter(config, verifier.embed_tokens, verifier.lm_head_weight).to(verifier.dtype)
     if config.ffn_dim != verifier.config.ffn_dim or config.num_layers < 1:
         raise ValueError("init_feature_drafter copies verifier blocks: use the verifier's ffn_dim")
     with torch.no_grad():
@@ -177,7 +173,7 @@ def load_feature_drafter(verifier: Transformer, path: str | Path | None = None) 
     if (config.vocab_size, config.dim) != (verifier.config.vocab_size, verifier.config.dim):
         raise ValueError(f"{file} drafts for vocab {config.vocab_size} / width {config.dim}, the model has "
                          f"{verifier.config.vocab_size} / {verifier.config.dim}")
-    drafter = FeatureDrafter(config, verifier.embed_tokens, _lm_head(verifier))
+    drafter = FeatureDrafter(config, verifier.embed_tokens, verifier.lm_head_weight)
     draft_ids = tensors.pop("draft_ids")
     drafter.load_state_dict(tensors, strict=False)
     missing = {k for k in drafter.stored_state_dict() if k not in tensors}

@@ -207,6 +207,12 @@ class Transformer(nn.Module):
         """Device of the weights."""
         return self.embed_tokens.weight.device
 
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """The ``(V, D)`` matrix that turns final-normed hidden states into logits (the
+        embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
         """An empty :class:`KVCache` for this model (capacity defaults to ``max_seq_len``)."""
         capacity = self.config.max_seq_len if capacity is None else capacity
@@ -320,6 +326,5 @@ class Transformer(nn.Module):
         # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
         h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         h = self.norm(h)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, weight).float()  # (B, T, V)
+        logits = F.linear(h, self.lm_head_weight).float()  # (B, T, V)
         return (logits, h) if return_hidden else logits
