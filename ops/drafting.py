@@ -58,6 +58,20 @@ NextLogitsFn = Callable[[list[int], list[int], list[int]], Tensor]
 frontier node of the partial tree given by ``parents``/``tokens`` (root first)."""
 
 
+def start_request(
+    cache: KVCache | None, model: Transformer, capacity: int | None, prompt_ids: Sequence[int]
+) -> tuple[KVCache, list[int]]:
+    """What a model-backed speculator's ``prefill`` starts from: its one-row cache (made by
+    ``model`` on first use, then reused) emptied, and the prompt as the history.
+    ``ValueError`` on an empty prompt."""
+    if not prompt_ids:
+        raise ValueError("a speculator needs a non-empty prompt")
+    if cache is None:
+        cache = model.new_cache(1, capacity)
+    cache.reset_row(0)
+    return cache, [int(t) for t in prompt_ids]
+
+
 def split_node_budget(max_nodes: int, num_speculators: int) -> list[int]:
     """Per-speculator node limits (root included) whose trie merge fits ``max_nodes`` nodes.
 
@@ -154,12 +168,7 @@ class ModelSpeculator:
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Start a request with ``prompt_ids`` (non-empty); the KV is computed lazily by propose."""
-        if not prompt_ids:
-            raise ValueError("a speculator needs a non-empty prompt")
-        if self._cache is None:
-            self._cache = self.model.new_cache(1, self._capacity)
-        self._cache.reset_row(0)
-        self._history = [int(t) for t in prompt_ids]
+        self._cache, self._history = start_request(self._cache, self.model, self._capacity, prompt_ids)
         self._last_tree = None
         self._num_fed_drafts = 0
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from treeserve.ops.drafting import validate_expansion
+from treeserve.ops.drafting import start_request, validate_expansion
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams
@@ -217,12 +217,7 @@ class FeatureSpeculator:
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Start a request; its states arrive through :meth:`add_features`."""
-        if not prompt_ids:
-            raise ValueError("a speculator needs a non-empty prompt")
-        if self._cache is None:
-            self._cache = self.drafter.new_cache(1, self._capacity)
-        self._cache.reset_row(0)
-        self._history = [int(t) for t in prompt_ids]
+        self._cache, self._history = start_request(self._cache, self.drafter, self._capacity, prompt_ids)
         self._states, self._num_states, self._num_pairs = [], 0, 0
         self._root_prediction = None
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from treeserve.ops.drafting import Speculator, validate_expansion
+from treeserve.ops.drafting import Speculator, start_request, validate_expansion
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
@@ -282,12 +282,7 @@ class DistilledSpeculator:
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         """Start a request with ``prompt_ids`` (non-empty); the KV is computed lazily by propose."""
-        if not prompt_ids:
-            raise ValueError("a speculator needs a non-empty prompt")
-        if self._cache is None:
-            self._cache = self.ssm.new_cache(1, self._capacity)
-        self._cache.reset_row(0)
-        self._history = [int(t) for t in prompt_ids]
+        self._cache, self._history = start_request(self._cache, self.ssm, self._capacity, prompt_ids)
         self._spine = []
 
     def propose(
