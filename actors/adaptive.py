@@ -22,18 +22,24 @@ included; ``1`` means no speculation) it picks the one with the best expected de
 
 The choice in a bucket is the best *measured* cell (a cell is measured once it was used); a
 bucket with none starts from the nearest bucket's choice scaled to the same nodes per step
-(``rows * budget``), or, on the first step ever, from the configured prior cost model.
+(``rows * budget``) but never above that choice (a tree that did not pay at more rows is not
+assumed to pay at fewer: the climb finds out), or, on the first step ever, from the
+configured prior cost model.
 Unmeasured sizes are reached only by exploration, a deterministic schedule of single steps at
 a neighbouring candidate of the current choice or at 1 (no speculation: the cheapest step and
-the baseline, reachable from anywhere): an unmeasured one every
-``explore_every // 4`` steps (the smaller first), else at most one probe per
-``explore_every`` steps, of the one most overdue, where a candidate is due
-``explore_every / ratio**2`` steps (at most 8x that) after its last use and ``ratio`` is its
-measured rate over the current one's. So a clearly worse neighbour (a 2x costlier step at high
-load) is probed rarely, the estimates of sizes it stopped using still recover, and a size that
-became better is found by climbing; far sizes are never jumped to on a guess, since one step
-with a huge tree at a large batch costs as much as dozens of plain decode steps. A switch
-needs a gain above ``switch_margin`` even when the challenger's rate is taken
+the baseline, reachable from anywhere), kept per bucket on the bucket's own step count (a
+bucket visited only at the tail of a burst still explores): an unmeasured one (fewer than 3
+steps measured: one step may have shared the CPU with a request's admission) or one whose
+estimated rate beats the current one's, but not by enough to switch, every
+``explore_every // 4`` steps (unmeasured and smaller first), else at most one probe per
+``explore_every`` steps, of the one most overdue, where a candidate is due when its probes
+cost at most ``explore_cost`` of the bucket's time: ``(1 / ratio - 1) / explore_cost`` steps
+after its last use (at least ``explore_every``, at most 64x that), where ``ratio`` is its
+measured rate over the current one's. So a clearly worse neighbour (a 4x costlier step at
+high load) is probed rarely, the estimates of sizes it stopped using still recover, and a
+size that became better is found by climbing; far sizes are never jumped to on a guess, since
+one step with a huge tree at a large batch costs as much as dozens of plain decode steps. A
+switch needs a gain above ``switch_margin`` even when the challenger's rate is taken
 ``switch_confidence`` standard errors low (hysteresis against timing and acceptance noise: at
 batch 1 a probe adds a single row's acceptance). Budget 1 is always a candidate, and the
 scheduler skips the speculators when it is chosen, so at high load the policy settles on plain
@@ -47,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_MIN_EXPLORE_RATIO = 1.0 / math.sqrt(8.0)  # a neighbour is probed at least every 8 * explore_every steps
+_MAX_EXPLORE_STRETCH = 64  # a measured neighbour is probed at least every 64 * explore_every bucket steps
+_MIN_CELL_STEPS = 3  # a neighbour is probed at the climbing pace until its cell has this many steps
 _FRESH_CELL_SPREAD = 0.15  # assumed relative mean absolute deviation of a cell measured once
 
 
@@ -63,8 +70,9 @@ class AdaptiveConfig:
     starting at 1 (no speculation is always allowed); keep the largest <= the scheduler's
     ``max_tree_nodes``. ``acceptance_decay``: fraction of the acceptance evidence forgotten per
     step (every budget). ``cost_alpha``: EMA weight of one step's cost in its cell.
-    ``explore_every``: at most one probe of another budget per this many steps (4x as often
-    while a neighbour is unmeasured). ``switch_margin``: relative gain needed to leave the
+    ``explore_every``: at most one probe of another budget per this many steps of a bucket (4x
+    as often while a neighbour is unmeasured). ``explore_cost``: the fraction of a bucket's
+    time that probing one measured, worse neighbour may cost. ``switch_margin``: relative gain needed to leave the
     current budget, with rates taken ``switch_confidence`` standard errors against the switch.
     ``outlier_clip``: a cost residual is clipped at this many running mean absolute residuals.
     ``prior_accepted_per_doubling``: the prior of ``A(n)`` is this times ``log2(n)``, capped at
@@ -77,6 +85,7 @@ class AdaptiveConfig:
     acceptance_decay: float = 0.02
     cost_alpha: float = 0.1
     explore_every: int = 16
+    explore_cost: float = 0.005
     switch_margin: float = 0.02
     switch_confidence: float = 1.0
     outlier_clip: float = 4.0
@@ -101,6 +110,8 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.switch_margin must be in [0, 1), got {self.switch_margin!r}")
         if not (isinstance(self.switch_confidence, (int, float)) and 0 <= self.switch_confidence <= 10):
             raise ValueError(f"AdaptiveConfig.switch_confidence must be in [0, 10], got {self.switch_confidence!r}")
+        if not (isinstance(self.explore_cost, (int, float)) and 0 < self.explore_cost <= 1):
+            raise ValueError(f"AdaptiveConfig.explore_cost must be in (0, 1], got {self.explore_cost!r}")
         if not _is_int(self.explore_every) or self.explore_every < 2:
             raise ValueError(f"AdaptiveConfig.explore_every must be an int >= 2, got {self.explore_every!r}")
         for name in ("outlier_clip", "prior_weight"):
@@ -133,7 +144,8 @@ def _bucket_label(bucket: int) -> str:
 
 @dataclass
 class _CostCell:
-    """Seconds per row of a step at one (bucket, budget): an EMA with clipped residuals."""
+    """Seconds per row of a step at one (bucket, budget): an EMA with clipped residuals;
+    ``last_step`` is on the bucket's own step count."""
 
     seconds_per_row: float
     mean_abs_residual: float
@@ -221,38 +233,50 @@ class AdaptiveSpeculation:
         self._cells: dict[int, dict[int, _CostCell]] = {}  # bucket -> budget -> measured cost
         self._choice: dict[int, int] = {}  # bucket -> budget chosen after the last step there
         self._bucket_rows: dict[int, int] = {}  # bucket -> rows of the last step there
+        self._bucket_steps: dict[int, int] = {}  # bucket -> steps observed there (its exploration clock)
 
     # ------------------------------------------------------------------ decisions
     def tree_budget(self, num_rows: int) -> int:
         """Nodes per row (root included, one of ``config.candidates``) to draft for a step of
         ``num_rows`` rows. Pure: depends only on ``num_rows`` and what was observed so far."""
         self._check_rows(num_rows)
-        current = self._current(rows_bucket(num_rows), num_rows)
+        bucket = rows_bucket(num_rows)
+        current = self._current(bucket, num_rows)
         cfg = self.config
         index = cfg.candidates.index(current)
         # No speculation (1) is always probed too: it is the cheapest step, the baseline the
         # policy must never fall below, and reachable from a plateau where neighbours tie.
         neighbours = sorted({cfg.candidates[i] for i in (index - 1, index + 1) if 0 <= i < len(cfg.candidates)}
                             | {1} - {current})
-        cells = self._cells.get(rows_bucket(num_rows), {})
-        unmeasured = [n for n in neighbours if n not in cells]
-        if unmeasured:
-            # The climb is still under way: look at an unmeasured neighbour 4x as often, the
-            # smaller first (its step costs less if it turns out worse).
-            period = max(2, cfg.explore_every // 4)
-            return unmeasured[0] if self._num_steps % period == period - 1 else current
-        if self._num_steps % cfg.explore_every != cfg.explore_every - 1:
-            return current
-        # At most one probe per explore_every steps, of a neighbour whose last use is older than
-        # explore_every stretched (up to 8x) by how much worse it measured: probing a 2x
-        # costlier step is what exploration costs at high load.
+        cells = self._cells.get(bucket, {})
+        clock = self._bucket_steps.get(bucket, 0)
+        # A cell of fewer than _MIN_CELL_STEPS steps is not yet a measurement: one step taken
+        # while another process held the CPU (a request being admitted) would otherwise keep a
+        # rarely visited bucket on a wrong choice for a long time.
+        unmeasured = [n for n in neighbours if n not in cells or cells[n].num_steps < _MIN_CELL_STEPS]
         rate = {e.nodes_per_row: e.tokens_per_row_s for e in self.estimates(num_rows)}
         current_rate = rate[current]
+        # A measured neighbour that looks better but is not yet confidently better (the switch
+        # rule) needs evidence as much as an unmeasured one: without it, acceptance evidence
+        # fades as fast as rare probes add it and the policy never leaves a worse size.
+        promising = sorted((n for n in neighbours if n not in unmeasured and current_rate
+                            and (rate[n] or 0.0) > current_rate), key=lambda n: -(rate[n] or 0.0))
+        if unmeasured or promising:
+            # The climb is still under way: look at such a neighbour 4x as often, an unmeasured
+            # one first and the smaller first (its step costs less if it turns out worse).
+            period = max(2, cfg.explore_every // 4)
+            return (unmeasured + promising)[0] if clock % period == period - 1 else current
+        if clock % cfg.explore_every != cfg.explore_every - 1:
+            return current
+        # At most one probe per explore_every steps, of a neighbour whose last use is older than
+        # the interval at which its probes cost explore_cost of the time: a probe of a step
+        # that earns `ratio` of the current rate costs (1 / ratio - 1) steps of the current one.
         overdue: list[tuple[float, int]] = []
         for n in neighbours:
-            ratio = (rate[n] or 0.0) / current_rate if current_rate else 1.0
-            interval = cfg.explore_every / max(min(ratio, 1.0), _MIN_EXPLORE_RATIO) ** 2
-            age = self._num_steps - cells[n].last_step
+            ratio = min((rate[n] or 0.0) / current_rate, 1.0) if current_rate else 1.0
+            loss = 1.0 / max(ratio, 1.0 / _MAX_EXPLORE_STRETCH) - 1.0
+            interval = min(max(cfg.explore_every, loss / cfg.explore_cost), _MAX_EXPLORE_STRETCH * cfg.explore_every)
+            age = clock - cells[n].last_step
             if age >= interval:
                 overdue.append((age / interval, -n))
         return -max(overdue)[1] if overdue else current
@@ -280,7 +304,8 @@ class AdaptiveSpeculation:
             # competes for; rounded down, to the cheaper step.
             nearest = min(self._choice, key=lambda b: (abs(b - bucket), b))
             nodes_per_step = self._choice[nearest] * self._bucket_rows[nearest]
-            return max(n for n in self.config.candidates if n * num_rows <= max(nodes_per_step, num_rows))
+            return max(n for n in self.config.candidates
+                       if n <= self._choice[nearest] and n * num_rows <= max(nodes_per_step, num_rows))
         return self._prior_choice(num_rows)
 
     def _prior_choice(self, num_rows: int) -> int:
@@ -356,14 +381,16 @@ class AdaptiveSpeculation:
         bucket = rows_bucket(num_rows)
         cells = self._cells.setdefault(bucket, {})
         per_row = (verify_s + propose_s) / num_rows
+        clock = self._bucket_steps.get(bucket, 0)
         cell = cells.get(budget)
         if cell is None:
-            cells[budget] = _CostCell(per_row, _FRESH_CELL_SPREAD * per_row, self._num_steps)
+            cells[budget] = _CostCell(per_row, _FRESH_CELL_SPREAD * per_row, clock)
         else:
-            cell.update(per_row, cfg.cost_alpha, cfg.outlier_clip, self._num_steps)
+            cell.update(per_row, cfg.cost_alpha, cfg.outlier_clip, clock)
         current = self._current(bucket, num_rows)
         self._choice[bucket] = self._best_measured(bucket, current)
         self._bucket_rows[bucket] = num_rows
+        self._bucket_steps[bucket] = clock + 1
         self._num_steps += 1
 
     # ------------------------------------------------------------------ introspection

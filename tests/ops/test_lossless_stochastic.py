@@ -331,3 +331,41 @@ def test_distilled_and_ngram_at_temperature_0_8_match_the_llm_distribution() -> 
     assert chi_square_p_value(counts, exact) > PASS_P_VALUE
     wrong = distilled_counts(llm, params, accept_without_ratio, 1500, 2)
     assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
+
+
+def feature_counts(llm: Transformer, params: SamplingParams, verifier: VerifyFn, num_draws: int, k: int) -> Tensor:
+    """First ``k`` tokens of ``generate_speculative`` with the served default's kinds: a feature
+    drafter (reduced draft vocabulary, spine of i.i.d. draws, fed the LLM's states) merged with
+    the n-gram drafter, in the default order."""
+    from treeserve.ops.feature_drafter import FeatureSpeculator, init_feature_drafter
+    from treeserve.ops.ssm import ssm_config_for
+
+    config = ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=5)
+    drafter = init_feature_drafter(llm, config, torch.tensor([0, 2, 3, 5, 6]))  # 1, 4, 7 are never drafted
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens."):
+                param.add_(0.5 * torch.randn(param.shape, generator=gen))
+    speculators = [FeatureSpeculator(drafter, (3, 2, 1)),
+                   NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(VOCAB**k, dtype=torch.long)
+    for _ in range(num_draws):
+        out = generate_speculative(llm, speculators, PROMPT, params, generator=gen, verifier=verifier).token_ids
+        index = 0
+        for token in out[:k]:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts
+
+
+def test_feature_drafter_and_ngram_at_temperature_0_8_match_the_llm_distribution() -> None:
+    """The served default's speculators at the benchmark's temperature."""
+    llm = tiny_model(0, num_layers=2)
+    params = SamplingParams(temperature=0.8, max_new_tokens=2)
+    exact = exact_distribution(prefix_logits(llm, 1), params, 2)
+    counts = feature_counts(llm, params, verify_stochastic, 1500, 2)
+    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
+    wrong = feature_counts(llm, params, accept_without_ratio, 1500, 2)
+    assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
