@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops.drafting import ModelSpeculator, expand_token_tree
+from treeserve.ops.drafting import ModelSpeculator, Speculator, expand_token_tree
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
@@ -294,24 +294,42 @@ def test_mss_extended_draws(tables, case: str) -> None:  # type: ignore[no-untyp
 
 
 # ------------------------------------------------------------------ the served configuration
-def distilled_counts(llm: Transformer, params: SamplingParams, verifier: VerifyFn, num_draws: int, k: int) -> Tensor:
-    """First ``k`` tokens of ``generate_speculative`` with the benchmark's speculator kinds:
-    two distilled SSMs (reduced draft vocabularies, greedy-spine trees with i.i.d. draws)
-    merged with the n-gram drafter, at the benchmark's sampling params."""
+def perturbed(drafter: Transformer, seed: int) -> Transformer:
+    """``drafter`` with noise on every weight but the embedding (the LLM's own), in place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens."):
+                param.add_(0.5 * torch.randn(param.shape, generator=gen))
+    return drafter
+
+
+def distilled_and_ngram(llm: Transformer) -> list[Speculator]:
+    """The benchmark's distilled kinds: two SSMs with reduced draft vocabularies (tokens outside
+    are never drafted), greedy-spine trees with i.i.d. draws, merged with the n-gram drafter."""
     from treeserve.ops.ssm import DistilledSpeculator, init_ssm_from_verifier, ssm_config_for
 
-    ssms = []
-    for seed, ids in ((3, [0, 2, 3, 5, 6]), (4, [1, 2, 4, 7])):  # tokens outside are never drafted
-        ssm = init_ssm_from_verifier(llm, ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=len(ids)),
-                                     torch.tensor(ids))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in ssm.named_parameters():
-                if not name.startswith("embed_tokens."):  # the embedding is the LLM's own
-                    param.add_(0.5 * torch.randn(param.shape, generator=gen))
-        ssms.append(ssm)
-    speculators = [DistilledSpeculator(ssms[0], (2, 2, 1)), DistilledSpeculator(ssms[1], (3, 1)),
-                   NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
+    ssms = [perturbed(init_ssm_from_verifier(llm, ssm_config_for(llm, num_layers=1, ffn_dim=32,
+                                                                 draft_vocab_size=len(ids)), torch.tensor(ids)), seed)
+            for seed, ids in ((3, [0, 2, 3, 5, 6]), (4, [1, 2, 4, 7]))]
+    return [DistilledSpeculator(ssms[0], (2, 2, 1)), DistilledSpeculator(ssms[1], (3, 1)),
+            NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
+
+
+def feature_and_ngram(llm: Transformer) -> list[Speculator]:
+    """The served default's kinds, in its order: a feature drafter (reduced draft vocabulary,
+    spine of i.i.d. draws, fed the LLM's states) merged with the n-gram drafter."""
+    from treeserve.ops.feature_drafter import FeatureSpeculator, init_feature_drafter
+    from treeserve.ops.ssm import ssm_config_for
+
+    config = ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=5)
+    drafter = perturbed(init_feature_drafter(llm, config, torch.tensor([0, 2, 3, 5, 6])), 6)
+    return [FeatureSpeculator(drafter, (3, 2, 1)), NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
+
+
+def served_counts(llm: Transformer, speculators: Sequence[Speculator], params: SamplingParams, verifier: VerifyFn,
+                  num_draws: int, k: int) -> Tensor:
+    """Counts of the first ``k`` tokens of ``generate_speculative`` with ``speculators``."""
     gen = torch.Generator().manual_seed(5)
     counts = torch.zeros(VOCAB**k, dtype=torch.long)
     for _ in range(num_draws):
@@ -323,49 +341,12 @@ def distilled_counts(llm: Transformer, params: SamplingParams, verifier: VerifyF
     return counts
 
 
-def test_distilled_and_ngram_at_temperature_0_8_match_the_llm_distribution() -> None:
+@pytest.mark.parametrize("make_speculators", [distilled_and_ngram, feature_and_ngram])
+def test_served_kinds_at_temperature_0_8_match_the_llm_distribution(make_speculators) -> None:  # type: ignore[no-untyped-def]
     llm = tiny_model(0, num_layers=2)
     params = SamplingParams(temperature=0.8, max_new_tokens=2)  # no top-k / top-p: the full vocabulary
     exact = exact_distribution(prefix_logits(llm, 1), params, 2)
-    counts = distilled_counts(llm, params, verify_stochastic, 1500, 2)
+    counts = served_counts(llm, make_speculators(llm), params, verify_stochastic, 1500, 2)
     assert chi_square_p_value(counts, exact) > PASS_P_VALUE
-    wrong = distilled_counts(llm, params, accept_without_ratio, 1500, 2)
-    assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
-
-
-def feature_counts(llm: Transformer, params: SamplingParams, verifier: VerifyFn, num_draws: int, k: int) -> Tensor:
-    """First ``k`` tokens of ``generate_speculative`` with the served default's kinds: a feature
-    drafter (reduced draft vocabulary, spine of i.i.d. draws, fed the LLM's states) merged with
-    the n-gram drafter, in the default order."""
-    from treeserve.ops.feature_drafter import FeatureSpeculator, init_feature_drafter
-    from treeserve.ops.ssm import ssm_config_for
-
-    config = ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=5)
-    drafter = init_feature_drafter(llm, config, torch.tensor([0, 2, 3, 5, 6]))  # 1, 4, 7 are never drafted
-    gen = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if not name.startswith("embed_tokens."):
-                param.add_(0.5 * torch.randn(param.shape, generator=gen))
-    speculators = [FeatureSpeculator(drafter, (3, 2, 1)),
-                   NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
-    gen = torch.Generator().manual_seed(7)
-    counts = torch.zeros(VOCAB**k, dtype=torch.long)
-    for _ in range(num_draws):
-        out = generate_speculative(llm, speculators, PROMPT, params, generator=gen, verifier=verifier).token_ids
-        index = 0
-        for token in out[:k]:
-            index = index * VOCAB + token
-        counts[index] += 1
-    return counts
-
-
-def test_feature_drafter_and_ngram_at_temperature_0_8_match_the_llm_distribution() -> None:
-    """The served default's speculators at the benchmark's temperature."""
-    llm = tiny_model(0, num_layers=2)
-    params = SamplingParams(temperature=0.8, max_new_tokens=2)
-    exact = exact_distribution(prefix_logits(llm, 1), params, 2)
-    counts = feature_counts(llm, params, verify_stochastic, 1500, 2)
-    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
-    wrong = feature_counts(llm, params, accept_without_ratio, 1500, 2)
+    wrong = served_counts(llm, make_speculators(llm), params, accept_without_ratio, 1500, 2)
     assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
