@@ -28,15 +28,17 @@ configured prior cost model.
 Unmeasured sizes are reached only by exploration, a deterministic schedule of single steps at
 a neighbouring candidate of the current choice or at 1 (no speculation: the cheapest step and
 the baseline, reachable from anywhere), kept per bucket on the bucket's own step count (a
-bucket visited only at the tail of a burst still explores): an unmeasured one (fewer than 3
-steps measured: one step may have shared the CPU with a request's admission) or one whose
-estimated rate beats the current one's, but not by enough to switch, every
-``explore_every // 4`` steps (unmeasured and smaller first), else at most one probe per
-``explore_every`` steps, of the one most overdue, where a candidate is due when its probes
-cost at most ``explore_cost`` of the bucket's time: ``(1 / ratio - 1) / explore_cost`` steps
-after its last use (at least ``explore_every``, at most 64x that), where ``ratio`` is its
-measured rate over the current one's. So a clearly worse neighbour (a 4x costlier step at
-high load) is probed rarely, the estimates of sizes it stopped using still recover, and a
+bucket visited only at the tail of a burst still explores). An unmeasured neighbour (fewer
+than 3 steps: a cell is the median of its first 3, since one step may have shared the CPU
+with a request's admission) or one whose estimated rate beats the current one's, but not by
+enough to switch, is probed every ``explore_every // 4`` steps (unmeasured ones first, the
+smaller first; then the best-looking). Otherwise at most one probe per ``explore_every``
+steps, of the neighbour most overdue, where a neighbour is due when its probes cost
+``explore_cost`` of the bucket's time: ``(1 / ratio - 1) / explore_cost`` steps after its
+last use, where ``ratio`` is its measured rate over the current one's, but at least
+``explore_every`` and at most 64x that (so a neighbour more than about 6x worse, whose
+estimate must not go stale either, costs more than ``explore_cost``). So a clearly worse
+neighbour (a 4x costlier step at high load) is probed rarely, the estimates of sizes it stopped using still recover, and a
 size that became better is found by climbing; far sizes are never jumped to on a guess, since
 one step with a huge tree at a large batch costs as much as dozens of plain decode steps. A
 switch needs a gain above ``switch_margin`` even when the challenger's rate is taken
@@ -49,12 +51,13 @@ decoding: never slower than no speculation, less the cost of the rare probes.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _MAX_EXPLORE_STRETCH = 64  # a measured neighbour is probed at least every 64 * explore_every bucket steps
-_MIN_CELL_STEPS = 3  # a neighbour is probed at the climbing pace until its cell has this many steps
+_MIN_CELL_STEPS = 3  # a cell is the median of its first 3 steps, probed at the climbing pace until then
 _FRESH_CELL_SPREAD = 0.15  # assumed relative mean absolute deviation of a cell measured once
 
 
@@ -71,9 +74,11 @@ class AdaptiveConfig:
     ``max_tree_nodes``. ``acceptance_decay``: fraction of the acceptance evidence forgotten per
     step (every budget). ``cost_alpha``: EMA weight of one step's cost in its cell.
     ``explore_every``: at most one probe of another budget per this many steps of a bucket (4x
-    as often while a neighbour is unmeasured). ``explore_cost``: the fraction of a bucket's
-    time that probing one measured, worse neighbour may cost. ``switch_margin``: relative gain needed to leave the
-    current budget, with rates taken ``switch_confidence`` standard errors against the switch.
+    as often while a neighbour has fewer than 3 steps measured or looks better).
+    ``explore_cost``: the fraction of a bucket's time that the probes of each measured, worse
+    neighbour may cost (up to a 64 * ``explore_every`` step interval). ``switch_margin``:
+    relative gain needed to leave the current budget, with rates taken ``switch_confidence``
+    standard errors against the switch.
     ``outlier_clip``: a cost residual is clipped at this many running mean absolute residuals.
     ``prior_accepted_per_doubling``: the prior of ``A(n)`` is this times ``log2(n)``, capped at
     ``n - 1`` and worth ``prior_weight`` rows; forgetting never takes an estimate below that
@@ -144,23 +149,37 @@ def _bucket_label(bucket: int) -> str:
 
 @dataclass
 class _CostCell:
-    """Seconds per row of a step at one (bucket, budget): an EMA with clipped residuals;
-    ``last_step`` is on the bucket's own step count."""
+    """Seconds per row of a step at one (bucket, budget); ``last_step`` is on the bucket's own
+    step count. The first ``_MIN_CELL_STEPS`` steps set it to their median (a step that shared
+    the CPU with another process is slow, never fast, so one such step must not become the
+    cell's value for dozens of steps); after that it is an EMA with clipped residuals."""
 
     seconds_per_row: float
     mean_abs_residual: float
     last_step: int
+    first: list[float]  # the first _MIN_CELL_STEPS values
     num_steps: int = 1
 
+    @classmethod
+    def fresh(cls, value: float, step: int) -> _CostCell:
+        return cls(value, _FRESH_CELL_SPREAD * value, step, [value])
+
     def update(self, value: float, alpha: float, outlier_clip: float, step: int) -> None:
+        self.last_step = step
+        self.num_steps += 1
+        if len(self.first) < _MIN_CELL_STEPS:
+            self.first.append(value)
+            self.seconds_per_row = statistics.median(self.first)
+            # The median absolute deviation, which the slow step does not inflate either.
+            spread = statistics.median(abs(v - self.seconds_per_row) for v in self.first)
+            self.mean_abs_residual = max(spread, 0.05 * self.seconds_per_row)
+            return
         bound = outlier_clip * self.mean_abs_residual
         error = max(-bound, min(bound, value - self.seconds_per_row))
         self.seconds_per_row += alpha * error
         # Floor the residual scale so a run of identical timings cannot make it clip everything.
         self.mean_abs_residual += alpha * (abs(error) - self.mean_abs_residual)
         self.mean_abs_residual = max(self.mean_abs_residual, 0.02 * self.seconds_per_row)
-        self.last_step = step
-        self.num_steps += 1
 
 
 @dataclass
@@ -384,7 +403,7 @@ class AdaptiveSpeculation:
         clock = self._bucket_steps.get(bucket, 0)
         cell = cells.get(budget)
         if cell is None:
-            cells[budget] = _CostCell(per_row, _FRESH_CELL_SPREAD * per_row, clock)
+            cells[budget] = _CostCell.fresh(per_row, clock)
         else:
             cell.update(per_row, cfg.cost_alpha, cfg.outlier_clip, clock)
         current = self._current(bucket, num_rows)
