@@ -248,9 +248,11 @@ def add_spine_children(
     if params.is_greedy:
         picks = draft_ids[torch.topk(draft_logits, width).indices].tolist()
         return [builder.add_proposal(node, t) for t in picks][0]
-    q = logits_to_probs(to_full_vocab(draft_logits).cpu(), params)  # (V,)
+    q = logits_to_probs(to_full_vocab(draft_logits).cpu(), params)  # (V,), zero outside the draft vocabulary
     q_row = builder.add_probs(q)
-    draws = sample_from_probs(q[None], generator, width)[0].tolist()
+    # Draw over the draft vocabulary only: the same distribution, at K/V of the sampler's cost.
+    ids = draft_ids.cpu()
+    draws = ids[sample_from_probs(q[ids][None], generator, width)[0]].tolist()
     return [builder.add_proposal(node, t, q_row=q_row) for t in draws][0]
 
 
