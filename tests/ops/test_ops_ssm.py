@@ -262,3 +262,41 @@ def test_a_small_node_budget_keeps_the_chain_of_first_choices() -> None:
         (), (1,), (1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 1)]
     assert fit_spine_widths((4, 2, 1), 2, 6, 100) == (4, 1)  # depth cut first, then the node budget
     assert fit_spine_widths((4, 2, 1), None, 4, 2) == (2, 1)  # and the drafter cache's room (2 depths)
+
+
+def test_sampled_spine_children_are_drawn_from_the_q_they_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multi-step speculative sampling is lossless only if each proposal is a draw from the q
+    recorded with it: the children's empirical distribution must fit that q (chi-square), and
+    a drafter that draws from a flatter distribution than it records must fail the check."""
+    from tests.ops.test_lossless_stochastic import chi_square_p_value
+    from treeserve.ops import ssm
+    from treeserve.ops.token_tree import TokenTreeBuilder
+
+    vocab, draft_ids = 12, torch.tensor([1, 4, 5, 8, 10])
+    draft_logits = torch.tensor([1.5, -0.5, 0.3, 2.0, 0.0])
+    params = SamplingParams(temperature=0.8)
+
+    def to_full_vocab(logits: Tensor) -> Tensor:
+        full = torch.full((vocab,), float("-inf"))
+        full[draft_ids] = logits
+        return full
+
+    def proposal_counts() -> tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        found = torch.zeros(vocab, dtype=torch.long)
+        for _ in range(1000):
+            builder = TokenTreeBuilder(0, with_probs=True)
+            ssm.add_spine_children(builder, 0, draft_logits, draft_ids, to_full_vocab, params, gen, 3)
+            tree = builder.build()
+            assert tree.draft_probs is not None
+            for proposal in tree.proposals()[0]:  # duplicates stay separate proposals
+                found[int(tree.tokens[proposal.child])] += 1
+        return found, tree.draft_probs[0]
+
+    found, q = proposal_counts()
+    assert torch.allclose(q, logits_to_probs(to_full_vocab(draft_logits), params))
+    assert chi_square_p_value(found, q) > 1e-3
+    sample = ssm.sample_from_probs
+    monkeypatch.setattr(ssm, "sample_from_probs", lambda probs, gen, n: sample(probs.sqrt(), gen, n))  # wrong
+    found, q = proposal_counts()
+    assert chi_square_p_value(found, q) < 1e-6
