@@ -38,10 +38,10 @@ steps, of the neighbour most overdue, where a neighbour is due when its probes c
 last use, where ``ratio`` is its measured rate over the current one's, but at least
 ``explore_every`` and at most 64x that (so a neighbour more than about 6x worse, whose
 estimate must not go stale either, costs more than ``explore_cost``). So a clearly worse
-neighbour (a 4x costlier step at high load) is probed rarely, the estimates of sizes it stopped using still recover, and a
-size that became better is found by climbing; far sizes are never jumped to on a guess, since
-one step with a huge tree at a large batch costs as much as dozens of plain decode steps. A
-switch needs a gain above ``switch_margin`` even when the challenger's rate is taken
+neighbour (a 4x costlier step at high load) is probed rarely, the estimates of sizes it
+stopped using still recover, and a size that became better is found by climbing; far sizes
+are never jumped to on a guess, since one step with a huge tree at a large batch costs as
+much as dozens of plain decode steps. A switch needs a gain above ``switch_margin`` even when the challenger's rate is taken
 ``switch_confidence`` standard errors low (hysteresis against timing and acceptance noise: at
 batch 1 a probe adds a single row's acceptance). Budget 1 is always a candidate, and the
 scheduler skips the speculators when it is chosen, so at high load the policy settles on plain
