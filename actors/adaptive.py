@@ -41,11 +41,12 @@ estimate must not go stale either, costs more than ``explore_cost``). So a clear
 neighbour (a 4x costlier step at high load) is probed rarely, the estimates of sizes it
 stopped using still recover, and a size that became better is found by climbing; far sizes
 are never jumped to on a guess, since one step with a huge tree at a large batch costs as
-much as dozens of plain decode steps. A switch needs a gain above ``switch_margin`` even when the challenger's rate is taken
-``switch_confidence`` standard errors low (hysteresis against timing and acceptance noise: at
-batch 1 a probe adds a single row's acceptance). Budget 1 is always a candidate, and the
-scheduler skips the speculators when it is chosen, so at high load the policy settles on plain
-decoding: never slower than no speculation, less the cost of the rare probes.
+much as dozens of plain decode steps. A switch needs a gain above ``switch_margin`` even
+when the challenger's rate is taken ``switch_confidence`` standard errors low (hysteresis
+against timing and acceptance noise: at batch 1 a probe adds a single row's acceptance).
+Budget 1 is always a candidate, and the scheduler skips the speculators when it is chosen,
+so at high load the policy settles on plain decoding: never slower than no speculation, less
+the cost of the rare probes.
 """
 
 from __future__ import annotations
