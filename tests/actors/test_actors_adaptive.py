@@ -46,12 +46,17 @@ class _World:
         self.num_steps = 0
         self.is_accepting = True  # False: the speculators' drafts are never accepted
 
+    @staticmethod
+    def cost(rows: int, budget: int) -> tuple[float, float]:
+        """Noise-free (verify, propose) seconds of a step."""
+        verify = 0.052 * max(1.0 + 0.02 * rows, 0.1 * rows * budget)
+        return verify, _expected_cost(rows, budget) - verify
+
     def step(self, rows: int, budget: int) -> tuple[list[int], list[int], float, float]:
         self.num_steps += 1
         p = _mean_accepted(budget) / (budget - 1) if budget > 1 and self.is_accepting else 0.0
         accepted = [sum(self.rng.random() < p for _ in range(budget - 1)) for _ in range(rows)]
-        verify = 0.052 * max(1.0 + 0.02 * rows, 0.1 * rows * budget)
-        propose = _expected_cost(rows, budget) - verify
+        verify, propose = self.cost(rows, budget)
         noise = math.exp(self.rng.gauss(0.0, 0.1)) * (5.0 if self.num_steps % 37 == 0 else 1.0)
         return [budget] * rows, accepted, verify * noise, propose * math.exp(self.rng.gauss(0.0, 0.1))
 
@@ -196,14 +201,6 @@ class _TreesNeverPayWorld(_World):
     def cost(rows: int, budget: int) -> tuple[float, float]:
         base = 0.04 * (1.0 + 0.06 * rows)
         return (base, 0.0) if budget == 1 else (base * (2.6 + 0.04 * rows * budget), 0.007 * rows)
-
-    def step(self, rows: int, budget: int) -> tuple[list[int], list[int], float, float]:
-        self.num_steps += 1
-        p = _mean_accepted(budget) / (budget - 1) if budget > 1 else 0.0
-        accepted = [sum(self.rng.random() < p for _ in range(budget - 1)) for _ in range(rows)]
-        verify, propose = self.cost(rows, budget)
-        noise = math.exp(self.rng.gauss(0.0, 0.1)) * (5.0 if self.num_steps % 37 == 0 else 1.0)
-        return [budget] * rows, accepted, verify * noise, propose * math.exp(self.rng.gauss(0.0, 0.1))
 
 
 @pytest.mark.parametrize("seed", range(3))
