@@ -51,17 +51,26 @@ def config(folder: Path, predictor: Path, scheduler: str) -> ServerConfig:
     )
 
 
-async def blocked_pair(client: Client) -> tuple[Completion, Completion]:
-    """Occupy the only row, queue a predicted-long job then a predicted-short one, return both."""
+async def blocked_pair(client: Client) -> tuple[Completion, Completion, list[str]]:
+    """Occupy the only row, queue a predicted-long job then a predicted-short one.
+
+    Returns both completions and the order they finished in. With one row a request runs only
+    after the one before it has finished, so the finishing order is the admission order.
+    ``queue_s`` alone cannot show that order: it is measured from each request's own arrival,
+    and the earlier arrival may run its whole answer in less time than the gap between them.
+    """
+    finished: list[str] = []
     blocker = client.stream([3, 4], speculate="none", max_tokens=150)
     async for _ in blocker:  # the blocker holds the row from its first token on
         break
     first = asyncio.ensure_future(client.generate(SHORT_PROMPT, speculate="none", max_tokens=PREDICTOR_CAP))
+    first.add_done_callback(lambda _: finished.append("early_long"))
     await asyncio.sleep(0.05)  # arrives strictly first
     second = asyncio.ensure_future(client.generate(LONG_PROMPT, speculate="none", max_tokens=PREDICTOR_CAP))
+    second.add_done_callback(lambda _: finished.append("late_short"))
     async for _ in blocker:
         pass
-    return await asyncio.wait_for(first, 120), await asyncio.wait_for(second, 120)
+    return await asyncio.wait_for(first, 120), await asyncio.wait_for(second, 120), finished
 
 
 def test_the_trained_head_predicts_long_prompts_short(predictor_path: Path) -> None:
@@ -75,8 +84,9 @@ async def test_ssjf_admits_the_shorter_predicted_job_first(tiny_folder: Path, pr
     predictor = load_predictor(predictor_path)
     async with Server(config(tiny_folder, predictor_path, "ssjf")) as server, Client(server.endpoint) as client:
         assert server.predictor is not None
-        early_long, late_short = await blocked_pair(client)
+        early_long, late_short, finished = await blocked_pair(client)
         # The later, shorter-predicted request overtook the earlier one in the queue.
+        assert finished == ["late_short", "early_long"]
         assert late_short.queue_s < early_long.queue_s
         assert late_short.predicted_len is not None and early_long.predicted_len is not None
         assert math.isclose(late_short.predicted_len, predictor.predict_from_prompt_ids(LONG_PROMPT), rel_tol=1e-6)
@@ -95,8 +105,8 @@ async def test_ssjf_admits_the_shorter_predicted_job_first(tiny_folder: Path, pr
 async def test_fcfs_control_keeps_arrival_order(tiny_folder: Path, predictor_path: Path) -> None:
     async with Server(config(tiny_folder, predictor_path, "fcfs")) as server, Client(server.endpoint) as client:
         assert server.predictor is None  # fcfs needs no prediction
-        early_long, late_short = await blocked_pair(client)
-        assert early_long.queue_s < late_short.queue_s
+        early_long, late_short, finished = await blocked_pair(client)
+        assert finished == ["early_long", "late_short"]
         assert early_long.predicted_len is None
 
 
