@@ -45,8 +45,9 @@ class EchoActor(Actor):
 class WorkerActor(Actor):
     """A child-process actor exercising every runtime feature.
 
-    ``probe`` (optional ref) is told ``[event, payload]`` pairs: ``started``,
-    ``cancelled`` (a handler observed CancelledError), ``ran`` (a slow handler ran).
+    ``probe`` (optional ref) is told ``[event, payload]`` pairs: ``started``, ``sleeping``
+    (the ``sleep`` handler began), ``cancelled`` (a handler observed CancelledError), ``ran``
+    (a slow handler ran).
     """
 
     def __init__(self, probe: ActorRef | None = None) -> None:
@@ -81,6 +82,7 @@ class WorkerActor(Actor):
     async def sleep(self, body: Any) -> Any:
         """Sleep ``body["s"]`` seconds, tagging the work with ``body["tag"]``."""
         try:
+            await self._note("sleeping", body["tag"])
             await asyncio.sleep(float(body["s"]))
         except asyncio.CancelledError:
             await self._note("cancelled", body["tag"])

@@ -89,7 +89,8 @@ async def test_server_errors_become_typed_exceptions(
 
 async def test_silent_gateway_fails_calls_with_connection_lost(router: tuple[str, zmq.asyncio.Socket]) -> None:
     endpoint, sock = router
-    async with Client(endpoint, heartbeat_interval_s=0.05, server_timeout_s=0.3) as client:
+    # server_timeout_s is 20 heartbeats: the first heartbeat goes out even if this loop stalls.
+    async with Client(endpoint, heartbeat_interval_s=0.05, server_timeout_s=1.0) as client:
         task = asyncio.create_task(client.generate("x"))
         _, req = await _recv(sock)
         _, beat = await _recv(sock)  # the client heartbeats while a call is open

@@ -132,7 +132,9 @@ async def test_callee_enforces_the_deadline_without_any_cancel() -> None:
             assert await worker.ask("get_ran") == ["first"]
             await asyncio.sleep(0.1)
             # "late" was dropped while queued: its handler never even started.
-            assert ["cancelled", "late"] not in await probe.ask("get_events")
+            events = await probe.ask("get_events")
+            assert ["sleeping", "first"] in events
+            assert ["sleeping", "late"] not in events and ["cancelled", "late"] not in events
         finally:
             raw.close(linger=0)
             ctx.term()
@@ -164,7 +166,7 @@ async def test_cancelling_the_caller_cancels_the_remote_handler() -> None:
         probe = await rt.spawn(ProbeActor, name="probe")
         worker = await rt.spawn(WorkerActor, probe, name="w", process="child")
         task = asyncio.ensure_future(worker.ask("sleep", {"s": 10, "tag": "c"}, timeout=30))
-        await asyncio.sleep(0.3)
+        assert ["sleeping", "c"] in await wait_for_event(probe, ["sleeping", "c"])  # the handler runs
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -184,12 +186,14 @@ async def test_leaving_a_remote_stream_cancels_the_generator() -> None:
                     break
         assert ["cancelled", "s1"] in await wait_for_event(probe, ["cancelled", "s1"])
 
+        streaming = asyncio.Event()
+
         async def consume() -> None:
             async for _ in worker.ask_stream("count_up", {**body, "tag": "s2"}):
-                pass
+                streaming.set()
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(streaming.wait(), 10)  # the generator runs
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
