@@ -94,6 +94,7 @@ class Supervisor:
         self.name = name
         self.gave_up: SupervisorGaveUp | None = None
         self.num_restarts = 0
+        self.num_stalled_ticks = 0  # ticks skipped because this loop itself had been blocked
         self._runtime = runtime
         self._clock = clock
         self._on_give_up = on_give_up
@@ -246,6 +247,7 @@ class Supervisor:
             if stalled:
                 # Our own loop was blocked: heartbeats may sit unread in the socket, so
                 # judge nobody until they have been processed.
+                self.num_stalled_ticks += 1
                 continue
             for child in list(self._children.values()):
                 reason = self._failure(child, now)
@@ -253,6 +255,8 @@ class Supervisor:
                     await self._on_failure(child, reason)
                     if self.gave_up is not None:
                         return
+                    # Handling took the restart's time, not a blocked loop's: the next tick judges.
+                    last_tick = self._clock()
 
     async def _on_failure(self, child: _Child, reason: str) -> None:
         _log.warning("%s: child %r failed: %s", self.name, child.spec.name, reason)

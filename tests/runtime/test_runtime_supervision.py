@@ -80,6 +80,24 @@ async def test_hung_child_is_detected_by_heartbeat(how: str) -> None:
             os.kill(old_pid, 0)
 
 
+async def test_the_tick_after_a_restart_still_judges_the_children() -> None:
+    # A restart takes as long as a child start. The watcher must not mistake that wait for its
+    # own loop having been blocked and skip the next tick, which would double the time to notice
+    # a child that dies again. The clock jumps 10 s per restart so that every relaunch "takes" long.
+    clock: Callable[[], float] = lambda: time.monotonic() + 10.0 * sup.num_restarts  # noqa: E731
+    async with Runtime() as rt:
+        config = SupervisorConfig(heartbeat_interval_s=1.0, heartbeat_misses=4, max_restarts=5, within_s=60)
+        sup = rt.supervisor(config, clock=clock)
+        worker = await rt.spawn(WorkerActor, name="w", process="child", supervisor=sup)
+        for restarts in (1, 2):
+            pid = await worker.ask("pid")
+            os.kill(pid, signal.SIGKILL)
+            await until(lambda: sup.num_restarts == restarts)
+            await sup.wait_running("w", 10)
+            assert await worker.ask("pid") != pid
+        assert sup.num_stalled_ticks == 0
+
+
 async def test_restart_intensity_limit_gives_up() -> None:
     escalated: list[SupervisorGaveUp] = []
     async with Runtime() as rt:
