@@ -329,11 +329,17 @@ class GatewayActor(Actor):
     async def _watch_peers(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
+        last_tick = loop.time()
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
             now = loop.time()
+            # If our own loop was blocked, the clients' heartbeats may sit unread in the socket:
+            # judge nobody on this tick (the next one comes after they have been read).
+            stalled, last_tick = now - last_tick > 2 * cfg.heartbeat_interval_s, now
+            if stalled:
+                self.stats_counters.num_stalled_ticks += 1
             for peer, state in list(self._peers.items()):
-                if now - state.last_seen > cfg.disconnect_timeout_s:
+                if not stalled and now - state.last_seen > cfg.disconnect_timeout_s:
                     _log.info("gateway: client silent for %.1fs; cancelling its streams", now - state.last_seen)
                     self._disconnect(peer)
                     continue

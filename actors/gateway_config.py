@@ -107,3 +107,5 @@ class GatewayStats:
     num_completed: int = 0
     num_failed: int = 0
     num_send_failures: int = 0
+    num_stalled_ticks: int = 0
+    """Liveness ticks on which the gateway's own loop had been blocked, so no client was judged."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import pytest
@@ -134,6 +135,20 @@ async def test_heartbeating_client_is_kept_while_the_scheduler_is_silent() -> No
             done = await client.generate("abcd", max_tokens=4)  # 1.2 s > disconnect_timeout_s
     assert done.text == "abcd"
     assert _cancelled(fake) == [] and gw.stats_counters.num_disconnects == 0
+
+
+async def test_a_stall_of_the_gateways_own_loop_disconnects_nobody() -> None:
+    # The whole process stops for longer than disconnect_timeout_s (a GC pause, a blocking
+    # call): the client's heartbeats were not late, the gateway's reading of them was.
+    async with fake_gateway(FAST_LIVENESS, scheduler={"delay_s": 1.5, "chunk_sizes": [4]}) as (gw, fake):
+        async with Client(gw.endpoint, timeout=20, heartbeat_interval_s=0.1) as client:
+            pending = asyncio.ensure_future(client.generate("abcd", max_tokens=4))
+            await _until(lambda: len(fake.events) == 1)
+            time.sleep(0.8)  # blocks the loop that the gateway and the client share
+            done = await pending
+    assert done.text == "abcd"
+    assert _cancelled(fake) == [] and gw.stats_counters.num_disconnects == 0
+    assert gw.stats_counters.num_stalled_ticks >= 1
 
 
 async def test_too_many_streams_is_overloaded_and_retryable() -> None:
