@@ -283,13 +283,13 @@ class Transformer(nn.Module):
     @overload
     def forward(
         self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = ..., positions: Tensor | None = ...,
-        return_hidden: Literal[False] = ...,
+        return_hidden: Literal[False] = ..., logits_to_keep: int | None = ...,
     ) -> Tensor: ...
 
     @overload
     def forward(
         self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = ..., positions: Tensor | None = ...,
-        return_hidden: Literal[True],
+        return_hidden: Literal[True], logits_to_keep: int | None = ...,
     ) -> tuple[Tensor, Tensor]: ...
 
     @torch.inference_mode()
@@ -301,7 +301,27 @@ class Transformer(nn.Module):
         tree_mask: Tensor | None = None,
         positions: Tensor | None = None,
         return_hidden: bool = False,
+        logits_to_keep: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        """See the class docstring. ``logits_to_keep=k`` scores only the last ``k`` new tokens
+        (logits ``(B, k, V)``; the hidden states stay ``(B, T, D)``): decoding from a prompt needs
+        the last position's logits only, and the LM head is a fifth of a 135M model's prefill."""
+        if logits_to_keep is not None and not 1 <= logits_to_keep <= tokens.shape[-1]:
+            raise ValueError(f"logits_to_keep must be in [1, {tokens.shape[-1]}] (or None for all), got {logits_to_keep}")
+        h = self.hidden_states(tokens, cache, tree_mask=tree_mask, positions=positions)  # (B, T, D)
+        scored = h if logits_to_keep is None else h[:, h.shape[1] - logits_to_keep:]
+        logits = F.linear(scored, self.lm_head_weight).float()  # (B, T or k, V)
+        return (logits, h) if return_hidden else logits
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, tokens: Tensor, cache: KVCache, *, tree_mask: Tensor | None = None, positions: Tensor | None = None,
+    ) -> Tensor:
+        """:meth:`forward` without the LM head: the final-normed hidden states ``(B, T, D)``.
+
+        Writes the same pending K/V as :meth:`forward`. A prefill that keeps only the cache (the
+        verifier's, whose first token comes from the next tree step) runs this.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
         batch, num_new = tokens.shape
@@ -325,6 +345,4 @@ class Transformer(nn.Module):
             raise ValueError(f"positions must lie in [0, max_seq_len={self.config.max_seq_len})")
         # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
         h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
-        h = self.norm(h)
-        logits = F.linear(h, self.lm_head_weight).float()  # (B, T, V)
-        return (logits, h) if return_hidden else logits
+        return self.norm(h)

@@ -87,8 +87,9 @@ def _check_prompt(model: Transformer, prompt_ids: Sequence[int], params: Samplin
     return prompt
 
 
-def _logits(model: Transformer, tokens: Tensor, cache: KVCache, **kwargs: Tensor) -> Tensor:
-    out = model(tokens, cache, **kwargs)
+def _logits(model: Transformer, tokens: Tensor, cache: KVCache, *, logits_to_keep: int | None = None,
+            **kwargs: Tensor) -> Tensor:
+    out = model(tokens, cache, logits_to_keep=logits_to_keep, **kwargs)
     assert isinstance(out, Tensor)
     return out
 
@@ -137,7 +138,7 @@ def generate_incremental(
     with torch.no_grad():
         feed = prompt
         while True:
-            logits = _logits(model, torch.tensor([feed], device=model.device), cache)  # (1, T, V)
+            logits = _logits(model, torch.tensor([feed], device=model.device), cache, logits_to_keep=1)  # (1, 1, V)
             cache.commit(0, range(len(feed)))
             num_steps += 1
             token = sample_token(logits[0, -1].cpu(), params, generator)
@@ -198,12 +199,10 @@ def generate_speculative(
         for speculator in speculators:
             speculator.prefill(prompt)
         if len(prompt) > 1:
-            if feature_users:
-                _, hidden = _logits_and_hidden(model, torch.tensor([prompt[:-1]], device=device), cache)
-                for user in feature_users:
-                    user.add_features(hidden[0])  # type: ignore[attr-defined]
-            else:
-                _logits(model, torch.tensor([prompt[:-1]], device=device), cache)
+            # Only the cache is kept (the first step's tree scores the root): no LM head.
+            hidden = model.hidden_states(torch.tensor([prompt[:-1]], device=device), cache)
+            for user in feature_users:
+                user.add_features(hidden[0])  # type: ignore[attr-defined]
             cache.commit(0, range(len(prompt) - 1))
         root = prompt[-1]
         while True:

@@ -197,6 +197,26 @@ def test_return_hidden_and_truncated_model_share_weights(tiny_model_factory: Cal
         model.truncated(0)
 
 
+def test_hidden_states_and_logits_to_keep_match_the_full_forward(tiny_model_factory: Callable[..., Transformer]) -> None:
+    model = tiny_model_factory(seed=9, tie_embeddings=False)
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    full_cache, head_cache, last_cache = (model.new_cache(2, 8) for _ in range(3))
+    logits, hidden = model(tokens, full_cache, return_hidden=True)
+    states = model.hidden_states(tokens, head_cache)
+    last, last_hidden = model(tokens, last_cache, return_hidden=True, logits_to_keep=2)
+    assert torch.equal(states, hidden) and torch.equal(last_hidden, hidden)
+    assert last.shape == (2, 2, model.config.vocab_size) and torch.allclose(last, logits[:, -2:], atol=1e-6)
+    for layer in range(model.config.num_layers):  # the same pending K/V, whatever is scored
+        for cache in (head_cache, last_cache):
+            assert torch.equal(cache.keys[layer][:, :, :5], full_cache.keys[layer][:, :, :5])
+            assert torch.equal(cache.values[layer][:, :, :5], full_cache.values[layer][:, :, :5])
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(tokens, model.new_cache(2, 8), logits_to_keep=bad)
+    with pytest.raises(ValueError, match="positions"):
+        model.hidden_states(tokens, model.new_cache(2, 8), positions=torch.tensor([[0]]))
+
+
 def test_cache_errors_and_row_bookkeeping(tiny_model_factory: Callable[..., Transformer]) -> None:
     model = tiny_model_factory(seed=10)
     with torch.inference_mode():
