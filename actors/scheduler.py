@@ -338,7 +338,8 @@ class SchedulerActor(Actor):
             picked = self._policy.select(self.clock(), len(self._free_rows))
             if not picked:
                 return
-            for index, queued in enumerate(picked):
+            admitted: list[_Request] = []
+            for queued in picked:
                 req = self._requests.get(queued.request_id)
                 if req is None or req.is_cancelled:
                     self._requests.pop(queued.request_id, None)
@@ -347,23 +348,23 @@ class SchedulerActor(Actor):
                 req.row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
                 req.admitted_s = self.clock()
                 self._running[req.request_id] = req
-                wants_states = self.config.use_states and req.speculate != "none"
-                try:
-                    reply = await self._all_shards(
-                        "prefill", {"row": req.row, "prompt_ids": req.prompt_ids, "return_states": wants_states})
-                except ActorError as exc:
-                    self._on_verifier_failure(exc)
-                    # The rest of this pick already left the queue: fail them too, never drop them.
-                    for rest in picked[index + 1:]:
-                        pending = self._requests.get(rest.request_id)
-                        if pending is not None:
-                            self._counters["num_failed"] += 1
-                            self._fail(pending, ServiceUnavailable(
-                                f"the verifier failed while the request was admitted: {exc.message}", retryable=True))
-                    return
-                if wants_states:
-                    self._add_states(req, reply["states"])
-                await self._start_speculators(req)
+                admitted.append(req)
+            if not admitted:
+                continue
+            # One call prefills the whole pick: a burst of arrivals shares batched forwards.
+            rows = [{"row": req.row, "prompt_ids": req.prompt_ids,
+                     "return_states": self.config.use_states and req.speculate != "none"} for req in admitted]
+            try:
+                reply = await self._all_shards("prefill", {"rows": rows})
+            except ActorError as exc:
+                self._on_verifier_failure(exc)  # fails every running request, this pick included
+                return
+            for req, entry in zip(admitted, reply["rows"]):
+                if entry["row"] != req.row:
+                    raise RuntimeError(f"verifier prefilled row {entry['row']} for request in row {req.row}")
+                if "states" in entry:
+                    self._add_states(req, entry["states"])
+            await asyncio.gather(*(self._start_speculators(req) for req in admitted))
 
     async def _start_speculators(self, req: _Request) -> None:
         if req.speculate == "none":

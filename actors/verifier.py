@@ -4,8 +4,9 @@ Every rank receives the same calls in the same order (the scheduler fans each ca
 shards and awaits all replies before the next call); rank 0's reply is the one used. Handlers:
 
 * ``info`` -> ``{"vocab_size", "max_seq_len", "num_rows", "row_capacity", "eos_ids", "tp_rank", "tp_size"}``
-* ``prefill {"row", "prompt_ids"}`` -> ``{"row", "length"}``: reset the row and commit the prompt
-  except its last token (the root of the row's first token tree).
+* ``prefill {"rows": [{"row", "prompt_ids"}]}`` -> ``{"rows": [{"row", "length"}]}``: reset each
+  row and commit its prompt except the last token (the root of the row's first token tree);
+  a burst of admissions shares batched forwards (:func:`~treeserve.ops.batch_step.prefill_rows`).
 * ``step {"rows": [{"row", "tree", "params", "request_id"}]}`` -> ``{"rows": [{"row", "accepted",
   "bonus_token", "new_tokens"}]}``: one batched forward per compact block of rows
   (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
@@ -26,6 +27,7 @@ whether it committed and should ``release`` and re-``prefill`` that request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -38,8 +40,7 @@ from torch import Tensor
 from treeserve.actors.tree_wire import params_from_wire, tree_from_wire
 from treeserve.ops.batch_step import (
     RowStep,
-    prefill_row,
-    prefill_row_with_states,
+    prefill_rows,
     verify_rows,
     verify_rows_with_states,
 )
@@ -275,26 +276,38 @@ class VerifierShard(Actor):
 
     @handler
     async def prefill(self, body: Any) -> dict[str, Any]:
-        """Reset ``row`` and commit ``prompt_ids[:-1]``; the last prompt token is the first root.
-        With ``"return_states": true`` the reply carries ``"states"``: the model's final hidden
-        states of ``prompt_ids[:-1]`` (float32 ``(n, D)``, for feature-level drafters)."""
-        body = _body(body, ("row", "prompt_ids"), ("return_states",))
+        """Reset each listed row and commit its ``prompt_ids[:-1]``; the last prompt token is the
+        row's first root. A row with ``"return_states": true`` gets ``"states"`` in its reply: the
+        model's final hidden states of ``prompt_ids[:-1]`` (float32 ``(n, D)``, for feature-level
+        drafters). Every entry is checked before any row is reset."""
+        body = _body(body, ("rows",))
         model, cache = await self._ready()
-        row = self._row(body["row"])
-        prompt = body["prompt_ids"]
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt_ids must be a non-empty list of token ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise ValueError("prompt_ids must hold integers")
-        if len(prompt) >= self._info["row_capacity"]:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
-            )
-        if body.get("return_states") is True:
-            length, states = await self._offload.run(prefill_row_with_states, model, cache, row, prompt[:-1])
-            return {"row": row, "length": length, "states": states.float().cpu().contiguous()}
-        length = await self._offload.run(prefill_row, model, cache, row, prompt[:-1])
-        return {"row": row, "length": length}
+        entries = body["rows"]
+        if not isinstance(entries, (list, tuple)) or not entries:
+            raise ValueError("prefill needs a non-empty list 'rows'")
+        jobs: list[tuple[int, list[int]]] = []
+        wants: list[bool] = []
+        for entry in entries:
+            entry = _body(entry, ("row", "prompt_ids"), ("return_states",))
+            prompt = entry["prompt_ids"]
+            if not isinstance(prompt, (list, tuple)) or not prompt:
+                raise ValueError("prompt_ids must be a non-empty list of token ids")
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+                raise ValueError("prompt_ids must hold integers")
+            if len(prompt) >= self._info["row_capacity"]:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
+                )
+            jobs.append((self._row(entry["row"]), list(prompt[:-1])))
+            wants.append(entry.get("return_states") is True)
+        results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
+        rows: list[dict[str, Any]] = []
+        for (row, _), (length, states), want in zip(jobs, results, wants):
+            reply: dict[str, Any] = {"row": row, "length": length}
+            if want:
+                reply["states"] = states.float().cpu().contiguous()
+            rows.append(reply)
+        return {"rows": rows}
 
     @handler
     async def step(self, body: Any) -> dict[str, Any]:

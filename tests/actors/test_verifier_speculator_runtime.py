@@ -81,10 +81,11 @@ async def drive(
     info = await fan(shards, "info", None)
     assert info["num_rows"] >= len(requests) and info["row_capacity"] == ROW_CAPACITY
     state = []
+    reply = await fan(shards, "prefill", {"rows": [{"row": row, "prompt_ids": req["prompt"]}
+                                                   for row, req in enumerate(requests)]})
+    assert reply == {"rows": [{"row": row, "length": len(req["prompt"]) - 1} for row, req in enumerate(requests)]}
     for row, req in enumerate(requests):
         rid = f"{tag}-{row}"
-        reply = await fan(shards, "prefill", {"row": row, "prompt_ids": req["prompt"]})
-        assert reply == {"row": row, "length": len(req["prompt"]) - 1}
         await speculator.ask("start", {"request_id": rid, "prompt_ids": req["prompt"]})
         state.append({"rid": rid, "row": row, "params": req["params"], "emitted": [], "new": [], "done": False,
                       "steps": 0})
@@ -156,10 +157,13 @@ async def check_bad_calls_are_rejected(shard: ActorRef) -> None:
     tree = {"parents": [-1, 0], "tokens": [3, 4], "proposal_children": [1], "proposal_speculators": [0],
             "proposal_q_rows": [0], "draft_probs": None}
     bad_calls = [
-        ("prefill", {"row": 9, "prompt_ids": [1, 2]}, "out of range"),
-        ("prefill", {"row": 0, "prompt_ids": []}, "non-empty"),
-        ("prefill", {"row": 0, "prompt_ids": list(range(3, 3 + ROW_CAPACITY))}, "no room"),
-        ("prefill", {"row": 0}, "missing"),
+        ("prefill", {"rows": [{"row": 9, "prompt_ids": [1, 2]}]}, "out of range"),
+        ("prefill", {"rows": [{"row": 0, "prompt_ids": []}]}, "non-empty"),
+        ("prefill", {"rows": [{"row": 0, "prompt_ids": list(range(3, 3 + ROW_CAPACITY))}]}, "no room"),
+        ("prefill", {"rows": [{"row": 0}]}, "missing"),
+        ("prefill", {"rows": [{"row": 0, "prompt_ids": [1, 2]}, {"row": 0, "prompt_ids": [3, 4]}]}, "once"),
+        ("prefill", {"rows": []}, "non-empty"),
+        ("prefill", {"row": 0, "prompt_ids": [1, 2]}, "missing"),
         ("step", {"rows": [{"row": 0, "tree": {**tree, "tokens": [3, 999]}, "params": greedy,
                             "request_id": "a"}]}, "token ids"),
         ("step", {"rows": [{"row": 0, "tree": {**tree, "parents": [0, 0]}, "params": greedy,
@@ -170,7 +174,7 @@ async def check_bad_calls_are_rejected(shard: ActorRef) -> None:
     for method, body, message in bad_calls:
         with pytest.raises(RemoteError, match=message):
             await shard.ask(method, body)
-    assert await shard.ask("prefill", {"row": 0, "prompt_ids": [5, 6, 7]}) == {"row": 0, "length": 2}
+    assert await shard.ask("prefill", {"rows": [{"row": 0, "prompt_ids": [5, 6, 7]}]}) == {"rows": [{"row": 0, "length": 2}]}
     reply = await shard.ask("step", {"rows": [{"row": 0, "tree": tree, "params": greedy, "request_id": "a"}]})
     assert reply["rows"][0]["accepted"][0] == 0
     await shard.ask("release", {"row": 0, "request_id": "a"})
@@ -182,7 +186,7 @@ async def check_rank0_failure_fails_every_rank(shards: list[ActorRef], vocab: in
     # Token 4 is proposed from a q that gives it probability 0: rank 0's verifier raises.
     bad = {"parents": [-1, 0], "tokens": [3, 4], "proposal_children": [1], "proposal_speculators": [0],
            "proposal_q_rows": [0], "draft_probs": {"shape": [1, vocab], "index": [5], "values": [1.0]}}
-    await fan(shards, "prefill", {"row": 1, "prompt_ids": [5, 6, 7]})
+    await fan(shards, "prefill", {"rows": [{"row": 1, "prompt_ids": [5, 6, 7]}]})
     outcomes = await asyncio.gather(
         *(s.ask("step", {"rows": [{"row": 1, "tree": bad, "params": sampled, "request_id": "x"}]}, timeout=60)
           for s in shards),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from treeserve.ops.batch_step import RowStep, prefill_row, verify_rows
+from treeserve.ops.batch_step import RowStep, _prefill_groups, prefill_row, prefill_rows, verify_rows
 from treeserve.ops.drafting import ModelSpeculator, Speculator
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
@@ -55,12 +55,17 @@ class Request:
 
 
 def run_batched(
-    model: Transformer, requests: Sequence[Request], *, num_rows: int, packer=pack_trees
+    model: Transformer, requests: Sequence[Request], *, num_rows: int, packer=pack_trees, prefill: str = "rows",
 ) -> list[list[int]]:
-    """Step all requests together, like a scheduler would, and return each one's tokens."""
+    """Step all requests together, like a scheduler would, and return each one's tokens.
+    ``prefill="rows"`` prefills one request at a time, ``"batched"`` all of them in one call."""
     cache = model.new_cache(num_rows, 200)
+    if prefill == "batched":
+        lengths = prefill_rows(model, cache, [(req.row, req.prompt[:-1]) for req in requests])
+        assert [n for n, _ in lengths] == [len(req.prompt) - 1 for req in requests]
     for req in requests:
-        assert prefill_row(model, cache, req.row, req.prompt[:-1]) == len(req.prompt) - 1
+        if prefill == "rows":
+            assert prefill_row(model, cache, req.row, req.prompt[:-1]) == len(req.prompt) - 1
         req.speculators = req.make_speculators()
         for s in req.speculators:
             s.prefill(req.prompt)
@@ -130,20 +135,22 @@ def greedy_case(tiny_model_factory) -> tuple[Transformer, list[list[int]]]:  # t
     return _GREEDY_CASE["case"]
 
 
-def test_batched_greedy_steps_match_single_request_generation(greedy_case) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("prefill", ["rows", "batched"])
+def test_batched_greedy_steps_match_single_request_generation(greedy_case, prefill: str) -> None:  # type: ignore[no-untyped-def]
     model, expected = greedy_case
     requests = make_requests(model, stochastic=False)
     assert expected == [generate_incremental(model, r.prompt, r.params).token_ids for r in requests]
-    got = run_batched(model, requests, num_rows=6)
+    got = run_batched(model, requests, num_rows=6, prefill=prefill)
     assert got == expected
     assert all(len(tokens) == r.params.max_new_tokens for tokens, r in zip(got, requests))
 
 
-def test_batched_stochastic_steps_match_single_request_generation(tiny_model_factory) -> None:
+@pytest.mark.parametrize("prefill", ["rows", "batched"])
+def test_batched_stochastic_steps_match_single_request_generation(tiny_model_factory, prefill: str) -> None:  # type: ignore[no-untyped-def]
     model = tiny_model_factory(seed=3)
     requests = make_requests(model, stochastic=True)
     expected = [reference(model, r) for r in requests]
-    got = run_batched(model, make_requests(model, stochastic=True), num_rows=6)
+    got = run_batched(model, make_requests(model, stochastic=True), num_rows=6, prefill=prefill)
     assert got == expected
     assert all(len(tokens) == r.params.max_new_tokens for tokens, r in zip(got, requests))
 
@@ -176,6 +183,51 @@ def test_prefill_row_leaves_other_rows_alone(tiny_model_factory) -> None:
     assert all(torch.equal(k[2, :, :2], s[0, :, :2]) for k, s in zip(cache.keys, single.keys))
     prefill_row(model, cache, 0, [])
     assert cache.lengths.tolist() == [0, 0, 2]
+
+
+def test_prefill_rows_fills_each_row_as_its_own_prefill_would(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_model_factory(seed=4)
+    gen = torch.Generator().manual_seed(11)
+    prompts = {0: [], 1: torch.randint(0, 50, (9,), generator=gen).tolist(), 2: [7],
+               4: torch.randint(0, 50, (6,), generator=gen).tolist(), 5: torch.randint(0, 50, (8,), generator=gen).tolist()}
+    cache = model.new_cache(6, 16)
+    prefill_row(model, cache, 3, [1, 2, 3])  # a running row the call must not touch
+    keys3 = [k[3].clone() for k in cache.keys]
+    out = prefill_rows(model, cache, list(prompts.items()), want_states=True)
+    assert [n for n, _ in out] == [len(p) for p in prompts.values()]
+    assert cache.lengths.tolist() == [0, 9, 1, 3, 6, 8]
+    assert all(torch.equal(k[3], before) for k, before in zip(cache.keys, keys3))
+    for (row, prompt), (_, states) in zip(prompts.items(), out):
+        assert states.shape == (len(prompt), model.config.dim)
+        if not prompt:
+            continue
+        alone = model.new_cache(1, 16)
+        _, hidden = model(torch.tensor([prompt]), alone, return_hidden=True)
+        assert torch.allclose(states, hidden[0], atol=1e-5)
+        for layer in range(model.config.num_layers):  # right padding never reached a real token
+            n = len(prompt)
+            assert torch.allclose(cache.keys[layer][row, :, :n], alone.keys[layer][0, :, :n], atol=1e-5)
+            assert torch.allclose(cache.values[layer][row, :, :n], alone.values[layer][0, :, :n], atol=1e-5)
+
+
+def test_prefill_groups_trade_padding_against_forwards() -> None:
+    assert _prefill_groups([], 64, 8) == []
+    assert _prefill_groups([3, 4, 4, 5], 64, 8) == [[0, 1, 2, 3]]  # 20 padded + 8 beats any split
+    assert _prefill_groups([3, 4, 4, 5], 64, 0) == [[0], [1], [2], [3]]  # free forwards: each prompt alone
+    assert _prefill_groups([3, 4, 4, 5], 12, 8) == [[0, 1, 2], [3]]  # 4 x 5 padded would exceed 12
+    assert _prefill_groups([2, 2, 2, 30], 1000, 8) == [[0, 1, 2], [3]]  # 4 x 30 padded costs more than a forward
+    assert _prefill_groups([100, 100], 64, 8) == [[0], [1]]  # each longer than the budget: alone
+
+
+def test_prefill_rows_rejects_bad_input_without_resetting_any_row(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_model_factory(seed=4)
+    cache = model.new_cache(2, 8)
+    prefill_row(model, cache, 0, [1, 2, 3])
+    for bad, error in [([(1, [4]), (1, [5])], "once"), ([(1, [4]), (0, [10_000])], "token ids"),
+                       ([(1, list(range(9)))], "does not fit"), ([(0, [4]), (2, [4])], "out of range")]:
+        with pytest.raises((ValueError, IndexError), match=error):
+            prefill_rows(model, cache, bad)
+        assert cache.lengths.tolist() == [3, 0]
 
 
 def test_verify_rows_rejects_bad_input_without_moving_any_row(tiny_model_factory) -> None:
