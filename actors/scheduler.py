@@ -73,7 +73,9 @@ class SchedulerConfig:
     sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
     and step cost at the current batch size (:mod:`treeserve.actors.adaptive`); without it every
     step drafts ``max_tree_nodes``. ``use_states``: a speculator drafts from the LLM's hidden
-    states (a ``feature`` drafter): the verifier returns them and they travel with proposals."""
+    states (a ``feature`` drafter): the verifier returns them and they travel with proposals.
+    ``max_prefill_tokens`` bounds the prompt tokens of one prefill call: requests admitted
+    together share calls (and batched forwards) up to it, a longer prompt goes alone."""
 
     num_rows: int = 8
     row_capacity: int = 2048
@@ -86,9 +88,10 @@ class SchedulerConfig:
     predict_timeout_s: float = 10.0
     adaptive_speculation: bool = True
     use_states: bool = False
+    max_prefill_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue"):
+        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue", "max_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
@@ -139,6 +142,21 @@ class _Request:
         return self.emitted[-1] if self.emitted else self.prompt_ids[-1]
 
 
+def _prefill_chunks(requests: list[_Request], max_tokens: int) -> list[list[_Request]]:
+    """Consecutive runs of ``requests`` whose prompts total at most ``max_tokens`` (a longer
+    prompt runs alone)."""
+    chunks: list[list[_Request]] = []
+    total = 0
+    for req in requests:
+        if chunks and total + len(req.prompt_ids) <= max_tokens:
+            chunks[-1].append(req)
+            total += len(req.prompt_ids)
+        else:
+            chunks.append([req])
+            total = len(req.prompt_ids)
+    return chunks
+
+
 def _int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidRequest(f"{what} must be a list of integers")
@@ -186,7 +204,7 @@ class SchedulerActor(Actor):
         self._ids = itertools.count()
         self._counters = {"num_steps": 0, "num_completed": 0, "num_cancelled": 0, "num_failed": 0,
                           "num_speculator_failures": 0, "num_verifier_failures": 0,
-                          "num_predicted": 0, "num_predictor_failures": 0}
+                          "num_predicted": 0, "num_predictor_failures": 0, "num_prefill_calls": 0}
         self._timers = {"propose_s": 0.0, "verify_s": 0.0}  # wall time spent in each phase of the steps
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and self.speculators:
@@ -349,22 +367,22 @@ class SchedulerActor(Actor):
                 req.admitted_s = self.clock()
                 self._running[req.request_id] = req
                 admitted.append(req)
-            if not admitted:
-                continue
-            # One call prefills the whole pick: a burst of arrivals shares batched forwards.
-            rows = [{"row": req.row, "prompt_ids": req.prompt_ids,
-                     "return_states": self.config.use_states and req.speculate != "none"} for req in admitted]
-            try:
-                reply = await self._all_shards("prefill", {"rows": rows})
-            except ActorError as exc:
-                self._on_verifier_failure(exc)  # fails every running request, this pick included
-                return
-            for req, entry in zip(admitted, reply["rows"]):
-                if entry["row"] != req.row:
-                    raise RuntimeError(f"verifier prefilled row {entry['row']} for request in row {req.row}")
-                if "states" in entry:
-                    self._add_states(req, entry["states"])
-            await asyncio.gather(*(self._start_speculators(req) for req in admitted))
+            # A burst of arrivals shares prefill calls (batched forwards), up to max_prefill_tokens each.
+            for chunk in _prefill_chunks(admitted, self.config.max_prefill_tokens):
+                rows = [{"row": req.row, "prompt_ids": req.prompt_ids,
+                         "return_states": self.config.use_states and req.speculate != "none"} for req in chunk]
+                self._counters["num_prefill_calls"] += 1
+                try:
+                    reply = await self._all_shards("prefill", {"rows": rows})
+                except ActorError as exc:
+                    self._on_verifier_failure(exc)  # fails every running request, this whole pick included
+                    return
+                for req, entry in zip(chunk, reply["rows"]):
+                    if entry["row"] != req.row:
+                        raise RuntimeError(f"verifier prefilled row {entry['row']} for request in row {req.row}")
+                    if "states" in entry:
+                        self._add_states(req, entry["states"])
+                await asyncio.gather(*(self._start_speculators(req) for req in chunk))
 
     async def _start_speculators(self, req: _Request) -> None:
         if req.speculate == "none":

@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     serve.add_argument("--num-rows", type=int, default=16, help="concurrent requests (KV-cache rows)")
     serve.add_argument("--row-capacity", type=int, default=2048, help="tokens per KV-cache row")
+    serve.add_argument("--max-prefill-tokens", type=int, default=8192,
+                       help="prompt tokens per prefill call: requests admitted together share batched forwards")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
     serve.add_argument("--nodes", type=int, default=0, help="wait for this many `treeserve node` hosts to join")
     serve.add_argument("--cluster-bind", default="tcp://127.0.0.1:5556", help="endpoint nodes join")
@@ -253,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adaptive_speculation=not args.no_adaptive,
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
+        max_prefill_tokens=args.max_prefill_tokens,
         speculators=_speculators_from_flags(args.speculator, expansion),
         allow_public_bind=args.allow_public_bind,
         num_nodes=args.nodes,

@@ -79,6 +79,8 @@ class ServerConfig:
     the aging bound: no request waits longer than about that behind later arrivals.
     ``adaptive_speculation``: size each step's token trees (up to ``max_tree_nodes`` per row) from
     the measured acceptance and step cost at the current batch size, down to plain decoding.
+    ``max_prefill_tokens``: prompt tokens per prefill call; requests admitted together share
+    calls and batched forwards up to it (a longer prompt goes alone).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -109,6 +111,7 @@ class ServerConfig:
     predictor: str | None = None
     online_predictor: bool = True
     adaptive_speculation: bool = True
+    max_prefill_tokens: int = 8192
 
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None."""
@@ -119,7 +122,7 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
-        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams"):
+        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
@@ -314,6 +317,7 @@ class Server:
             adaptive_speculation=cfg.adaptive_speculation,
             use_states=bool(self.speculators) and any(s.get("kind") == "feature" for s in speculators),
             step_timeout_s=cfg.step_timeout_s,
+            max_prefill_tokens=cfg.max_prefill_tokens,
         )
         self.scheduler = await rt.spawn(
             SchedulerActor, scheduler_config, self.verifiers, self.speculators, predictor, name="scheduler"

@@ -82,7 +82,10 @@ async def generate_all(client: Client, speculate: str, max_tokens: int) -> list[
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-trees"])
 async def test_greedy_output_identical_to_incremental(tiny_folder: Path, adaptive: bool) -> None:
     expected = [reference(p, 24) for p in PROMPTS]
-    async with Server(config(tiny_folder, adaptive_speculation=adaptive)) as server, \
+    # Fixed trees also prefill every request in a call of its own (a 1-token budget: every
+    # prompt is longer); adaptive shares calls between requests admitted together.
+    max_prefill_tokens = 8192 if adaptive else 1
+    async with Server(config(tiny_folder, adaptive_speculation=adaptive, max_prefill_tokens=max_prefill_tokens)) as server, \
             Client(server.endpoint) as client:
         plain_steps = 0
         for speculate in ("none", "chain", "tree"):
@@ -92,6 +95,8 @@ async def test_greedy_output_identical_to_incremental(tiny_folder: Path, adaptiv
         stats = await wait_for_stats(server, lambda st: st["num_free_rows"] == 4)
         assert stats["num_completed"] == 3 * len(PROMPTS)
         assert stats["num_free_rows"] == 4 and stats["num_running"] == 0
+        if not adaptive:
+            assert stats["num_prefill_calls"] == 3 * len(PROMPTS)
         assert ("adaptive" in stats) is adaptive
         if adaptive:
             # The policy sized (and learned from) every step with a speculating row, and no
