@@ -465,7 +465,7 @@ class GatewayActor(Actor):
             stream.seq += 1
 
         body = scheduler_body(req, prompt_ids, self._stop_ids)
-        end_body = await relay_generation(scheduler, body, self._tokenizer, send_item)
+        end_body = await relay_generation(scheduler, body, self._tokenizer, send_item, req.stop)
         await self._send(stream, StreamEnd(stream.msg_id, stream.seq, end_body))
 
 

@@ -16,6 +16,8 @@ from typing import Any
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "GENERATE_FIELDS",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
     "ChatMessage",
     "GenerateRequest",
     "InvalidRequest",
@@ -26,6 +28,8 @@ __all__ = [
 DEFAULT_MAX_TOKENS = 128
 _MAX_SEED = 2**63 - 1
 _MAX_MESSAGES = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
 GENERATE_FIELDS: frozenset[str] = frozenset(
@@ -39,6 +43,7 @@ GENERATE_FIELDS: frozenset[str] = frozenset(
         "top_k",
         "seed",
         "stop_token_ids",
+        "stop",
         "speculate",
     }
 )
@@ -70,7 +75,8 @@ class ChatMessage:
 class GenerateRequest:
     """A validated ``generate`` body. Exactly one of ``prompt``, ``messages`` and
     ``prompt_ids`` is set. ``temperature == 0`` is greedy; ``top_k`` None is no limit;
-    ``stop_token_ids`` are extra stops added to the tokenizer's own."""
+    ``stop_token_ids`` are extra stops added to the tokenizer's own; ``stop`` are strings that
+    end the generation where they first appear in its text (the text stops before them)."""
 
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
@@ -82,6 +88,7 @@ class GenerateRequest:
     seed: int | None
     stop_token_ids: tuple[int, ...]
     speculate: Speculate
+    stop: tuple[str, ...] = ()
 
 
 def _is_int(value: object) -> bool:
@@ -110,6 +117,21 @@ def _token_ids(value: object, key: str, vocab_size: int, max_len: int) -> tuple[
             raise InvalidRequest(
                 f"'{key}'[{index}] = {token} is outside the vocabulary [0, {vocab_size})"
             )
+    return tuple(value)
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'stop' must be a string or a list of strings, got {type(value).__name__}")
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"'stop' has {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for index, stop in enumerate(value):
+        if not isinstance(stop, str) or not stop:
+            raise InvalidRequest(f"'stop'[{index}] must be a non-empty string")
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"'stop'[{index}] has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed")
     return tuple(value)
 
 
@@ -151,7 +173,8 @@ def parse_generate(
     ``[0, vocab_size)``, fewer than ``context_length``); ``max_tokens`` an int in
     ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``; ``top_p`` in ``(0, 1]``;
     ``top_k`` None or an int ``>= 1``; ``seed`` None or an int in ``[0, 2**63)``;
-    ``stop_token_ids`` ids in the vocabulary; ``speculate`` one of tree/chain/none."""
+    ``stop_token_ids`` ids in the vocabulary; ``stop`` a string or a list of at most 16
+    non-empty strings of at most 256 characters; ``speculate`` one of tree/chain/none."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the generate body must be a map, got {type(body).__name__}")
     unknown = sorted(str(k) for k in body if k not in GENERATE_FIELDS)
@@ -206,6 +229,7 @@ def parse_generate(
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= _MAX_SEED):
         raise InvalidRequest(f"'seed' must be null or an int in [0, 2**63), got {seed!r}")
     stop_token_ids = _token_ids(body.get("stop_token_ids", []), "stop_token_ids", vocab_size, 64)
+    stop = _stop_strings(body.get("stop", []))
     speculate_value = body.get("speculate", Speculate.TREE.value)
     if not isinstance(speculate_value, str) or speculate_value not in {s.value for s in Speculate}:
         raise InvalidRequest(
@@ -222,4 +246,5 @@ def parse_generate(
         seed=seed,
         stop_token_ids=stop_token_ids,
         speculate=Speculate(speculate_value),
+        stop=stop,
     )

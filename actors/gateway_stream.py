@@ -15,7 +15,7 @@ from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 from treeserve.runtime.ref import ActorRef
 
-__all__ = ["STAT_KEYS", "prompt_ids_for", "relay_generation", "scheduler_body"]
+__all__ = ["STAT_KEYS", "StopMatcher", "prompt_ids_for", "relay_generation", "scheduler_body"]
 
 STAT_KEYS = (
     "finish_reason",
@@ -81,17 +81,61 @@ def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequen
     }
 
 
+class StopMatcher:
+    """Finds the first of ``stops`` in text that arrives in pieces.
+
+    :meth:`push` returns the part of the text so far that is safe to release: it never
+    contains a stop string nor a tail that could still become the start of one (that tail is
+    held back until the next piece decides). Once a stop string has appeared, ``matched``
+    is it and the released text ends right before it.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if not stops or not all(stops):
+            raise ValueError("StopMatcher needs non-empty stop strings")
+        self.stops = tuple(stops)
+        self.matched: str | None = None
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        buffer = self._held + text
+        found = [(index, stop) for stop in self.stops if (index := buffer.find(stop)) >= 0]
+        if found:
+            index, self.matched = min(found)
+            self._held = ""
+            return buffer[:index]
+        keep = max((k for stop in self.stops for k in range(min(len(stop) - 1, len(buffer)), 0, -1)
+                    if buffer.endswith(stop[:k])), default=0)
+        self._held = buffer[len(buffer) - keep:]
+        return buffer[:len(buffer) - keep]
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of a generation that met no stop string."""
+        held, self._held = self._held, ""
+        return held
+
+
 async def relay_generation(
     scheduler: ActorRef,
     body: dict[str, Any],
     tokenizer: TokenizerLike,
     send_item: Callable[[dict[str, Any]], Awaitable[None]],
+    stop: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run ``scheduler.generate(body)``, passing ``{"text", "token_ids"}`` items to
     ``send_item`` (text never splits a UTF-8 character; special tokens give no text),
     and return the ``stream_end`` body: full text, all ids and the scheduler's stats.
-    Cancelling the caller, or ``send_item`` raising, cancels the scheduler's stream."""
+    Cancelling the caller, or ``send_item`` raising, cancels the scheduler's stream.
+
+    With ``stop`` strings, text that could be the start of one is held back, and the first
+    one to appear ends the generation: the text stops right before it, ``token_ids`` end with
+    the token that completed it, ``finish_reason`` is ``"stop"`` and ``matched_stop`` names
+    it. The scheduler is asked to ``finish`` the request (freeing its row at once); tokens it
+    accepted meanwhile are dropped."""
     detok = IncrementalDetokenizer(cast(Tokenizer, tokenizer), skip_special_tokens=True)
+    matcher = StopMatcher(stop) if stop else None
     pieces: list[str] = []
     token_ids: list[int] = []
     final: dict[str, Any] | None = None
@@ -104,18 +148,38 @@ async def relay_generation(
             if item.get("done") is True:
                 final = item  # may still carry tokens: handled like any item
             ids = [int(t) for t in item.get("token_ids", ())]
-            if not ids:
+            if not ids or (matcher is not None and matcher.matched is not None):
                 continue
-            text = detok.push(ids)
+            if matcher is None:
+                text = detok.push(ids)
+            else:  # token by token, so that the tokens after a stop string are left out
+                taken: list[int] = []
+                text = ""
+                for token in ids:
+                    taken.append(token)
+                    text += matcher.push(detok.push([token]))
+                    if matcher.matched is not None:
+                        await scheduler.ask("finish", {"request_id": body["request_id"],
+                                                       "num_tokens": len(token_ids) + len(taken)})
+                        break
+                ids = taken
             pieces.append(text)
             token_ids.extend(ids)
             await send_item({"text": text, "token_ids": ids})
-    tail = detok.finish()
-    if tail:
-        pieces.append(tail)
-        await send_item({"text": tail, "token_ids": []})
+    if matcher is None or matcher.matched is None:
+        tail = detok.finish()
+        if matcher is not None:
+            tail = matcher.push(tail)
+            tail += "" if matcher.matched is not None else matcher.flush()
+        if tail:
+            pieces.append(tail)
+            await send_item({"text": tail, "token_ids": []})
     if final is None:
         raise RuntimeError("the scheduler ended the stream without its final stats item")
     end_body: dict[str, Any] = {"text": "".join(pieces), "token_ids": token_ids}
     end_body.update({k: final[k] for k in STAT_KEYS if k in final})
+    if matcher is not None and matcher.matched is not None:
+        # The scheduler may have ended the request on its own (length, a stop id) before it
+        # heard of the stop string; the client's answer ends at the string either way.
+        end_body.update(finish_reason="stop", num_generated_tokens=len(token_ids), matched_stop=matcher.matched)
     return end_body

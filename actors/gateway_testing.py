@@ -113,9 +113,11 @@ class ScriptedScheduler(Actor):
     """A scheduler stand-in: ``generate`` echoes the prompt (see ``expected_echo``) in
     chunks of ``chunk_sizes`` tokens (cycled), sleeping ``delay_s`` before each, then
     yields the final stats item marked ``done``. ``fail_code`` (a wire error code, or
-    ``"crash"`` for a plain exception) makes every ``generate`` fail at once instead. ``events`` records ``(event,
-    request_id)`` pairs: ``start``, ``done``, ``cancelled`` (the generator saw
-    CancelledError or GeneratorExit); ``bodies`` maps request id to the body received."""
+    ``"crash"`` for a plain exception) makes every ``generate`` fail at once instead. ``finish``
+    (the gateway's call when a stop string appears) ends that stream before its next chunk with
+    ``finish_reason`` ``"stop"``. ``events`` records ``(event, request_id)`` pairs: ``start``,
+    ``finish``, ``done``, ``cancelled`` (the generator saw CancelledError or GeneratorExit);
+    ``bodies`` maps request id to the body received."""
 
     max_concurrency = 512
     mailbox_size = 1024
@@ -127,6 +129,7 @@ class ScriptedScheduler(Actor):
         self.fail_code: str | None = cfg.get("fail_code")
         self.events: list[tuple[str, str]] = []
         self.bodies: dict[str, dict[str, Any]] = {}
+        self.finished: dict[str, int] = {}
 
     @stream_handler
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -145,7 +148,7 @@ class ScriptedScheduler(Actor):
         num_steps = 0
         try:
             emitted = 0
-            while emitted < len(out):
+            while emitted < len(out) and request_id not in self.finished:
                 size = self.chunk_sizes[num_steps % len(self.chunk_sizes)]
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
@@ -155,12 +158,12 @@ class ScriptedScheduler(Actor):
                 if num_steps == 1:
                     ttft_s = time.perf_counter() - start
                 yield {"token_ids": chunk}
-            is_stop = bool(out) and out[-1] in params["stop_token_ids"]
+            is_stop = bool(out) and out[-1] in params["stop_token_ids"] or request_id in self.finished
             yield {
                 "done": True,
                 "finish_reason": "stop" if is_stop else "length",
                 "num_prompt_tokens": len(body["prompt_ids"]),
-                "num_generated_tokens": len(out),
+                "num_generated_tokens": self.finished.get(request_id, len(out)),
                 "num_steps": num_steps,
                 "mean_accepted_per_step": len(out) / max(1, num_steps),
                 "queue_s": 0.0,
@@ -171,6 +174,14 @@ class ScriptedScheduler(Actor):
             self.events.append(("cancelled", request_id))
             raise
         self.events.append(("done", request_id))
+
+    @handler
+    async def finish(self, body: dict[str, Any]) -> bool:
+        """End ``body["request_id"]``'s stream after ``body["num_tokens"]`` tokens (as a stop)."""
+        request_id = str(body["request_id"])
+        self.events.append(("finish", request_id))
+        self.finished[request_id] = int(body["num_tokens"])
+        return True
 
     @handler
     async def get_events(self) -> list[list[str]]:

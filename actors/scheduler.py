@@ -135,6 +135,7 @@ class _Request:
     first_token_s: float | None = None
     is_cancelled: bool = False
     is_done: bool = False
+    stop_after: int | None = None  # a consumer's stop string ended the output after this many tokens
 
     @property
     def root(self) -> int:
@@ -261,6 +262,25 @@ class SchedulerActor(Actor):
                 await self._report_length(req, is_censored=True)
 
     @handler
+    async def finish(self, body: Any) -> bool:
+        """``{"request_id", "num_tokens"}``: end a running request as if its ``num_tokens``-th
+        token had been a stop token (the gateway calls this when a stop string appears in the
+        text). The request's stream ends with its final item as usual, before the next step;
+        tokens streamed after that point are the caller's to drop. False if the request is
+        not running (already finished, cancelled, or never admitted)."""
+        if not isinstance(body, dict) or set(body) != {"request_id", "num_tokens"}:
+            raise InvalidRequest("finish takes {request_id, num_tokens}")
+        num_tokens = body["num_tokens"]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InvalidRequest(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        req = self._running.get(body["request_id"])
+        if req is None or req.is_done or req.is_cancelled:
+            return False
+        req.stop_after = num_tokens if req.stop_after is None else min(req.stop_after, num_tokens)
+        self._wake.set()
+        return True
+
+    @handler
     async def stats(self) -> dict[str, Any]:
         return {
             **self._counters,
@@ -339,6 +359,7 @@ class SchedulerActor(Actor):
     async def _run(self) -> None:
         while True:
             await self._reap_cancelled()
+            await self._reap_stopped()
             await self._admit()
             if not self._running:
                 self._wake.clear()
@@ -350,6 +371,11 @@ class SchedulerActor(Actor):
     async def _reap_cancelled(self) -> None:
         for req in [r for r in self._running.values() if r.is_cancelled]:
             await self._release(req)
+
+    async def _reap_stopped(self) -> None:
+        for req in [r for r in self._running.values() if r.stop_after is not None and not r.is_cancelled]:
+            del req.emitted[req.stop_after:]  # what the consumer kept: the length the predictor learns
+            await self._finish(req, FinishReason.STOP)
 
     async def _admit(self) -> None:
         while self._free_rows and len(self._policy):

@@ -140,8 +140,9 @@ class Completion:
     """A finished generation: full ``text`` and ``token_ids``, why it stopped
     (``"stop"`` or ``"length"``), the gateway's stats (``ttft_s``/``total_s``/``queue_s``
     measured by the scheduler; ``mean_accepted_per_step`` is tokens emitted per verifier
-    step, the speculation gain), ``client_ttft_s``/``client_total_s`` as seen here, and
-    ``predicted_len`` (the server's output-length prediction, when it orders by one)."""
+    step, the speculation gain), ``client_ttft_s``/``client_total_s`` as seen here,
+    ``predicted_len`` (the server's output-length prediction, when it orders by one) and
+    ``matched_stop`` (the ``stop`` string that ended the text, if one did)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -156,6 +157,7 @@ class Completion:
     client_ttft_s: float
     client_total_s: float
     predicted_len: float | None = None
+    matched_stop: str | None = None
 
 
 class _Failed:
@@ -318,7 +320,7 @@ class Client:
         """Generate from ``prompt`` (text, chat ``messages``, or token ids), yielding
         ``Chunk``s as tokens are accepted. ``params`` (``SamplingParams``) and
         ``overrides`` (wire field names: ``max_tokens``, ``temperature``, ``top_p``,
-        ``top_k``, ``seed``, ``stop_token_ids``) set sampling. Breaking out of the loop
+        ``top_k``, ``seed``, ``stop_token_ids``, ``stop``) set sampling. Breaking out of the loop
         or cancelling the consuming task sends ``cancel`` to the gateway. Raises
         ``ServerError`` subclasses (``InvalidRequestError``, ``OverloadedError``...)."""
         body = _request_body(prompt, params, speculate, overrides)
@@ -482,6 +484,7 @@ def _completion(end: dict[str, Any], ttft_s: float | None, total_s: float) -> Co
         client_ttft_s=total_s if ttft_s is None else ttft_s,
         client_total_s=total_s,
         predicted_len=None if end.get("predicted_len") is None else float(end["predicted_len"]),
+        matched_stop=None if end.get("matched_stop") is None else str(end["matched_stop"]),
     )
 
 

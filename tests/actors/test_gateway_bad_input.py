@@ -55,7 +55,8 @@ BAD_BODIES: list[tuple[Any, str]] = [
     ({"prompt": "x", "seed": -1}, "'seed'"),
     ({"prompt": "x", "stop_token_ids": [999]}, "outside the vocabulary"),
     ({"prompt": "x", "speculate": "beam"}, "'speculate' must be one of"),
-    ({"prompt": "x", "stop": ["\n"]}, "unknown field(s) ['stop']"),
+    ({"prompt": "x", "stop": [""]}, "'stop'[0] must be a non-empty string"),
+    ({"prompt": "x", "stops": ["\n"]}, "unknown field(s) ['stops']"),
     ({"prompt": "x", "temprature": 0.5}, "unknown field(s) ['temprature']"),
 ]
 

@@ -124,6 +124,20 @@ async def test_cancel_frees_the_row(tiny_folder: Path) -> None:
         completion = await asyncio.wait_for(client.generate(PROMPTS[0], max_tokens=8), 60)
         assert list(completion.token_ids) == reference(PROMPTS[0], 8)
 
+        # A stop string ends the text where it first appears and the generation with it
+        # (the scheduler finishes the request early), and the row is freed for the next one.
+        full = await client.generate([5, 6, 7], speculate="none", max_tokens=40)  # one token per step
+        assert full.finish_reason == "length" and len(full.text) > 30 and full.num_steps == 40
+        stop = full.text[len(full.text) // 3:][:4]
+        cut = await asyncio.wait_for(
+            client.generate([5, 6, 7], speculate="none", max_tokens=40, stop=[stop, "never in it!"]), 60)
+        assert cut.text == full.text[:full.text.index(stop)] and cut.matched_stop == stop
+        assert cut.finish_reason == "stop" and cut.num_generated_tokens == len(cut.token_ids) < 40
+        assert list(cut.token_ids) == list(full.token_ids[:len(cut.token_ids)]) and cut.num_steps < full.num_steps
+        stats = await wait_for_stats(server, lambda st: st["num_free_rows"] == 1 and st["num_running"] == 0)
+        assert stats["num_free_rows"] == 1 and stats["num_cancelled"] == 1 and stats["num_completed"] == 3
+        assert list((await client.generate(PROMPTS[0], max_tokens=8)).token_ids) == reference(PROMPTS[0], 8)
+
 
 async def test_bad_requests_get_errors_and_server_keeps_serving(tiny_folder: Path) -> None:
     async with Server(config(tiny_folder)) as server, Client(server.endpoint) as client:
