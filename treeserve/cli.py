@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end the completion before the first appearance of TEXT (repeatable)")
     gen.add_argument("--speculate", choices=SPECULATE, default="tree")
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--expansion", default=DEFAULT_EXPANSION, help="SSM expansion config, e.g. 1,1,3,1,1,1,1,1")
@@ -353,6 +355,8 @@ async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, .
                     body["top_k"] = args.top_k
                 if args.seed is not None:
                     body["seed"] = args.seed
+                if args.stop:
+                    body["stop"] = list(args.stop)
                 started = time.perf_counter()
                 completion = await client.generate(prompt, speculate=args.speculate, **body)
                 elapsed = time.perf_counter() - started
@@ -360,6 +364,7 @@ async def _generate_via_server(args: argparse.Namespace, expansion: tuple[int, .
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "finish_reason": completion.finish_reason,
+        "matched_stop": completion.matched_stop,
         "num_prompt_tokens": completion.num_prompt_tokens,
         "num_steps": completion.num_steps,
         "mean_accepted_per_step": completion.mean_accepted_per_step,
@@ -400,6 +405,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"{out['mean_accepted_per_step']:.2f} tokens/step"
             )
         return 0
+    if args.stop:
+        raise UserError("--stop needs the server path (stop strings are matched by the gateway); drop --in-process")
     return _generate_in_process(args)
 
 
