@@ -29,6 +29,7 @@ from treeserve.actors.gateway_stream import prompt_ids_for, relay_generation, sc
 from treeserve.runtime.actor import Actor, handler
 from treeserve.runtime.errors import ActorError
 from treeserve.runtime.ref import ActorRef
+from treeserve.runtime.stall import StallGuard
 from treeserve.transport.codec import DecodeError, decode, encode
 from treeserve.transport.messages import (
     Cancel,
@@ -329,15 +330,14 @@ class GatewayActor(Actor):
     async def _watch_peers(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        last_tick = loop.time()
+        guard = StallGuard(cfg.heartbeat_interval_s, loop.time())
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
             now = loop.time()
             # If our own loop was blocked, the clients' heartbeats may sit unread in the socket:
             # judge nobody on this tick (the next one comes after they have been read).
-            stalled, last_tick = now - last_tick > 2 * cfg.heartbeat_interval_s, now
-            if stalled:
-                self.stats_counters.num_stalled_ticks += 1
+            stalled = guard.tick(now)
+            self.stats_counters.num_stalled_ticks += int(stalled)
             for peer, state in list(self._peers.items()):
                 if not stalled and now - state.last_seen > cfg.disconnect_timeout_s:
                     _log.info("gateway: client silent for %.1fs; cancelling its streams", now - state.last_seen)

@@ -158,7 +158,7 @@ class ScriptedScheduler(Actor):
                 if num_steps == 1:
                     ttft_s = time.perf_counter() - start
                 yield {"token_ids": chunk}
-            is_stop = bool(out) and out[-1] in params["stop_token_ids"] or request_id in self.finished
+            is_stop = (bool(out) and out[-1] in params["stop_token_ids"]) or request_id in self.finished
             yield {
                 "done": True,
                 "finish_reason": "stop" if is_stop else "length",

@@ -16,6 +16,7 @@ from treeserve.runtime.errors import ActorDeadError, ActorError, SupervisorGaveU
 from treeserve.runtime.process import ChildLaunch, ChildProcess, encode_args
 from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.restart import RestartIntensity
+from treeserve.runtime.stall import StallGuard
 from treeserve.runtime.tasks import TaskOwner
 from treeserve.transport.messages import ActorAddress, Heartbeat
 
@@ -94,7 +95,7 @@ class Supervisor:
         self.name = name
         self.gave_up: SupervisorGaveUp | None = None
         self.num_restarts = 0
-        self.num_stalled_ticks = 0  # ticks skipped because this loop itself had been blocked
+        self._stall_guard: StallGuard | None = None
         self._runtime = runtime
         self._clock = clock
         self._on_give_up = on_give_up
@@ -129,6 +130,11 @@ class Supervisor:
     def state(self, name: str) -> ChildState:
         """The current state of child ``name``."""
         return self._children[name].state
+
+    @property
+    def num_stalled_ticks(self) -> int:
+        """Monitor ticks skipped because this supervisor's own loop had been blocked."""
+        return 0 if self._stall_guard is None else self._stall_guard.num_stalled
 
     def pid(self, name: str) -> int | None:
         """The process id of child ``name``'s current incarnation."""
@@ -238,16 +244,13 @@ class Supervisor:
 
     async def _watch(self) -> None:
         period = self.config.heartbeat_interval_s / 2
-        last_tick = self._clock()
+        guard = self._stall_guard = StallGuard(period, self._clock())
         while True:
             await asyncio.sleep(period)
             now = self._clock()
-            stalled = now - last_tick > 2 * period
-            last_tick = now
-            if stalled:
+            if guard.tick(now):
                 # Our own loop was blocked: heartbeats may sit unread in the socket, so
                 # judge nobody until they have been processed.
-                self.num_stalled_ticks += 1
                 continue
             for child in list(self._children.values()):
                 reason = self._failure(child, now)
@@ -255,8 +258,7 @@ class Supervisor:
                     await self._on_failure(child, reason)
                     if self.gave_up is not None:
                         return
-                    # Handling took the restart's time, not a blocked loop's: the next tick judges.
-                    last_tick = self._clock()
+                    guard.reset(self._clock())  # handling took the restart's time, not a blocked loop's
 
     async def _on_failure(self, child: _Child, reason: str) -> None:
         _log.warning("%s: child %r failed: %s", self.name, child.spec.name, reason)
