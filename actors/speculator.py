@@ -193,14 +193,18 @@ class SpeculatorActor(Actor):
         from treeserve.models import load_model
 
         cfg = self.config
-        dtype = DTYPES[cfg.dtype]
-        model = load_model(cfg.model, dtype=dtype, cache_dir=cfg.cache_dir).model.to(cfg.device)
+        # The drafters read the LM's embedding and head (feature, distilled) or run its first
+        # blocks (self:K): in the served format, on the format's kernels, not compiled (a
+        # speculator never runs the full model's decode step).
+        model = load_model(cfg.model, weight_format=cfg.dtype, compile_decode=False, cache_dir=cfg.cache_dir).model.to(cfg.device)
+        dtype = model.dtype
         self._model = model
         for spec in cfg.speculators:
             if spec.kind == "self":
                 self._drafters.append(model.truncated(int(spec.options["layers"])))  # ValueError if too many
             elif spec.kind == "model":
-                other = load_model(spec.options["model"], dtype=dtype, cache_dir=cfg.cache_dir).model.to(cfg.device)
+                other = load_model(spec.options["model"], weight_format=cfg.dtype, compile_decode=False,
+                                   cache_dir=cfg.cache_dir).model.to(cfg.device)
                 if other.config.vocab_size != model.config.vocab_size:
                     raise ValueError(
                         f"drafter {spec.options['model']!r} has vocab size {other.config.vocab_size}, "

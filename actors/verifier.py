@@ -32,6 +32,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -44,6 +45,7 @@ from treeserve.ops.batch_step import (
     verify_rows,
     verify_rows_with_states,
 )
+from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator
@@ -55,8 +57,8 @@ _log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DTYPES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""Accepted ``dtype`` config values."""
+DTYPES: tuple[str, ...] = FORMAT_NAMES
+"""Accepted ``dtype`` config values: the weight formats (``treeserve.ops.formats``)."""
 
 
 def _int(value: Any, name: str, *, minimum: int = 0) -> int:
@@ -205,7 +207,7 @@ class VerifierShard(Actor):
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        loaded = await asyncio.to_thread(load_model, cfg.model, dtype=DTYPES[cfg.dtype], cache_dir=cfg.cache_dir)
+        loaded = await asyncio.to_thread(load_model, cfg.model, cache_dir=cfg.cache_dir)  # float32: sharded, then formatted
         capacity = cfg.row_capacity if cfg.row_capacity is not None else loaded.config.max_seq_len
         if capacity > loaded.config.max_seq_len:
             raise ValueError(f"row_capacity {capacity} exceeds the model's max_seq_len {loaded.config.max_seq_len}")
@@ -220,7 +222,7 @@ class VerifierShard(Actor):
             "tp_rank": cfg.tp_rank,
             "tp_size": cfg.tp_size,
         }
-        self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, capacity))
+        self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, loaded.source, capacity))
         self._setup.add_done_callback(_consume_exception)
 
     async def on_stop(self) -> None:
@@ -237,7 +239,7 @@ class VerifierShard(Actor):
             except Exception:  # the group may already be broken by a dead peer
                 _log.warning("verifier rank %d: destroy_process_group failed", self.config.tp_rank, exc_info=True)
 
-    def _shard_and_allocate(self, model: Transformer, capacity: int) -> None:
+    def _shard_and_allocate(self, model: Transformer, source: Path, capacity: int) -> None:
         cfg = self.config
         if cfg.tp_size > 1:
             import torch.distributed as dist
@@ -256,7 +258,10 @@ class VerifierShard(Actor):
             )
             self._has_group = True
             model = apply_tp(model, cfg.tp_rank, cfg.tp_size, distributed_all_reduce())
+        from treeserve.models import prepare_for_serving
+
         model = model.to(cfg.device)
+        model = prepare_for_serving(model, source, cfg.dtype, cache_dir=cfg.cache_dir)
         self._model = model
         self._cache = model.new_cache(cfg.num_rows, capacity)
 

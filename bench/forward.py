@@ -1,10 +1,25 @@
-"""Forward-pass micro-benchmark of the default model on this machine.
+"""Forward-pass benchmark of the default model per weight format, against llama.cpp, in one run.
 
-Measures (median of repeats) one forward over a token tree of 1, 4, 8, 16, 32 and 64 nodes on
-a 256-token committed cache, as a ratio to a 1-token decode step, and greedy decode tokens/s,
-in float32 and bfloat16. ``--json`` prints one JSON object; otherwise a table.
+Measures on this machine, medians of repeats:
 
-    python bench/forward.py [--json] [--model NAME_OR_PATH] [--repeats 7] [--threads N]
+* the roofline: a STREAM-like copy (bytes read + written per second over a 1 GiB buffer);
+* per format (float32, bfloat16, int8, q4_1): the 1-token decode step at batch 1 on a
+  256-token cache (with the compiled decode step where the format has one), forwards over
+  4, 16 and 64 tree nodes as ratios to that step, batched decode steps of 16 and 64 rows
+  (tokens/s), the weight bytes one token reads and so the effective GB/s and fraction of the
+  roofline, the load and compile (or compiled-step load) times, and the greedy agreement with
+  float32: teacher-forced top-1 over float32's own greedy answers to chat prompts of the
+  shipped prompt sets (``bench/data``, fetched by ``bench/data/fetch.py``);
+* end to end at batch 1 without speculation (prefill of a 128-token prompt plus 128 greedy
+  tokens): treeserve in the default format against llama.cpp (llama-cpp-python, 2 threads,
+  ``reset()`` before each timed run, prefill and decode timed apart) on the original GGUF.
+
+    python bench/forward.py --json [--formats q4_1,bfloat16] [--repeats 7] [--no-llama-cpp]
+
+llama-cpp-python is a bench-only extra, never a dependency (build flags for this CPU in
+``bench/RESULTS.md``). JSON shape: ``{"roofline_gb_s", "default_format", "formats": {NAME:
+{"decode_tok_s", "tree_ratio": {"4","16","64"}, "batch_tok_s": {"16","64"}, "weight_gb_s",
+"roofline_fraction", "agreement_with_float32", "load_s", "compile_s"}}, "e2e": {...}}``.
 """
 
 from __future__ import annotations
@@ -12,118 +27,246 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from treeserve.models import DEFAULT_MODEL, load_model
+from treeserve.ops.formats import DEFAULT_FORMAT as DEFAULT_WEIGHT_FORMAT
+from treeserve.ops.formats import WeightFormat, weight_bytes_per_token
 from treeserve.ops.model import Transformer
+from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.speculative import generate_incremental
 from treeserve.ops.tree_attention import tree_mask_from_parents
 
-TREE_SIZES = (1, 4, 8, 16, 32, 64)
+DEFAULT_FORMAT = DEFAULT_WEIGHT_FORMAT.value
+KNOWN_FORMATS = tuple(f.value for f in WeightFormat)
 CACHE_LENGTH = 256
+TREE_SIZES = (4, 16, 64)
+BATCH_SIZES = (16, 64)
+E2E_PROMPT_TOKENS = 128
+E2E_NEW_TOKENS = 128
+DATA_DIR = Path(__file__).parent / "data"
 
 
-def binary_tree(num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tree_mask (1, n, n), depth (n,)) of a complete binary token tree with ``num_nodes`` nodes."""
-    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
-    mask = tree_mask_from_parents(parents)
-    return mask[None], mask.sum(-1) - 1
-
-
-def timings(fn: Any, repeats: int) -> tuple[float, float]:
-    """(median, min) wall seconds of ``fn()`` over ``repeats`` runs after one warm-up.
-
-    The minimum is reported too because on a shared machine it is the least disturbed run.
-    """
-    fn()  # warm-up
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    return statistics.median(times)
 
 
-def tree_ratios(model: Transformer, repeats: int) -> dict[str, Any]:
-    """Median forward time per tree size and its ratio to the 1-token decode step."""
+def roofline_gb_s(repeats: int) -> float:
+    """STREAM-like copy bandwidth: (bytes read + bytes written) / s over a 1 GiB float32 buffer."""
+    src = torch.ones(1 << 28)  # touched, so no page is the shared zero page
+    dst = torch.zeros_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def binary_tree(num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tree_mask (1, n, n), depth (n,)) of a complete binary token tree."""
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
+    mask = tree_mask_from_parents(parents)
+    return mask[None], mask.sum(-1) - 1
+
+
+def filled_cache(model: Transformer, rows: int, length: int, extra: int) -> Any:
+    """A cache of ``rows`` rows holding ``length`` committed random tokens each."""
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    cache = model.new_cache(1, CACHE_LENGTH + max(TREE_SIZES) + 1)
-    model(torch.randint(0, vocab, (1, CACHE_LENGTH), generator=gen), cache)
-    cache.commit(0, range(CACHE_LENGTH))
-    seconds: dict[int, float] = {}
-    fastest: dict[int, float] = {}
-    for n in TREE_SIZES:
-        tokens = torch.randint(0, vocab, (1, n), generator=gen)
-        mask, depth = binary_tree(n)
-        positions = (CACHE_LENGTH + depth)[None]
-        if n == 1:
-            seconds[n], fastest[n] = timings(lambda: model(tokens, cache), repeats)  # plain decode step
-        else:
-            seconds[n], fastest[n] = timings(lambda: model(tokens, cache, tree_mask=mask, positions=positions), repeats)
-    base = seconds[1]
-    return {
-        "decode_step_ms": round(base * 1e3, 2),
-        "tree_forward_ms": {str(n): round(s * 1e3, 2) for n, s in seconds.items()},
-        "ratio_to_decode_step": {str(n): round(s / base, 3) for n, s in seconds.items()},
-        "ratio_to_decode_step_of_minimums": {str(n): round(s / fastest[1], 3) for n, s in fastest.items()},
-    }
+    cache = model.new_cache(rows, length + extra)
+    model.hidden_states(torch.randint(0, model.config.vocab_size, (rows, length), generator=gen), cache)
+    for row in range(rows):
+        cache.commit(row, range(length))
+    return cache
 
 
-def decode_tokens_per_second(model: Transformer, prompt_len: int, num_tokens: int, repeats: int) -> float:
-    """Greedy decode speed (tokens/s, median over repeats) after a ``prompt_len``-token prefill."""
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen)
-    rates = []
-    for _ in range(repeats):
-        cache = model.new_cache(1, prompt_len + num_tokens + 1)
-        logits = model(prompt, cache)
-        cache.commit(0, range(prompt_len))
-        token = logits[:, -1:].argmax(-1)
+def step_seconds(model: Transformer, rows: int, repeats: int) -> float:
+    """Median time of one decode step (one token per row) on ``CACHE_LENGTH`` committed tokens."""
+    cache = filled_cache(model, rows, CACHE_LENGTH, 4)
+    tokens = torch.full((rows, 1), 5)
+
+    def step() -> None:
+        model(tokens, cache)
+        for row in range(rows):
+            cache.truncate(row, CACHE_LENGTH)
+
+    return median_seconds(step, repeats)
+
+
+def tree_seconds(model: Transformer, num_nodes: int, repeats: int) -> float:
+    """Median time of one forward over a ``num_nodes``-node binary tree on the same cache."""
+    cache = filled_cache(model, 1, CACHE_LENGTH, num_nodes)
+    mask, depth = binary_tree(num_nodes)
+    tokens = torch.randint(0, model.config.vocab_size, (1, num_nodes), generator=torch.Generator().manual_seed(1))
+    positions = (CACHE_LENGTH + depth)[None]
+    return median_seconds(lambda: model(tokens, cache, tree_mask=mask, positions=positions), repeats)
+
+
+def chat_prompts(tokenizer: Any, limit: int) -> list[list[int]]:
+    """Chat-templated prompt ids of the first prompts of each fetched prompt set in ``bench/data``."""
+    prompts: list[list[int]] = []
+    for path in sorted(DATA_DIR.glob("*.jsonl")):
+        if path.name.startswith("trace"):
+            continue
+        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+        for line in lines[: max(1, limit // 3)]:
+            text = json.loads(line)["prompt"]
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompts.append(tokenizer.encode(chat)[:512])
+    if not prompts:
+        raise FileNotFoundError(f"no prompt sets in {DATA_DIR}; fetch them with: python bench/data/fetch.py mtbench humaneval gsm8k")
+    return prompts[:limit]
+
+
+def greedy_answers(model: Transformer, prompts: list[list[int]], num_tokens: int, stop_ids: tuple[int, ...]) -> list[list[int]]:
+    """float32's greedy answers (the reference the formats are compared on)."""
+    params = SamplingParams(max_new_tokens=num_tokens, stop_token_ids=stop_ids)
+    return [generate_incremental(model, prompt, params).token_ids for prompt in prompts]
+
+
+def agreement(model: Transformer, prompts: list[list[int]], answers: list[list[int]]) -> float:
+    """Fraction of answer positions where ``model``'s argmax, fed float32's answer so far
+    (teacher forcing), is float32's next token."""
+    agree = total = 0
+    for prompt, answer in zip(prompts, answers):
+        if not answer:
+            continue
+        seq = torch.tensor([prompt + answer[:-1]])
+        cache = model.new_cache(1, seq.shape[1])
+        logits = model(seq, cache)[0, len(prompt) - 1:]  # (len(answer), V)
+        predicted = logits.argmax(-1).tolist()
+        agree += sum(int(p == a) for p, a in zip(predicted, answer))
+        total += len(answer)
+    return agree / total if total else float("nan")
+
+
+def e2e_treeserve(model: Transformer, prompt: list[int], repeats: int) -> float:
+    """Tokens/s of prefill + ``E2E_NEW_TOKENS`` greedy tokens (no stop tokens), median."""
+    params = SamplingParams(max_new_tokens=E2E_NEW_TOKENS)
+    seconds = median_seconds(lambda: generate_incremental(model, prompt, params), repeats, warmup=1)
+    return E2E_NEW_TOKENS / seconds
+
+
+def e2e_llama_cpp(gguf: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
+    """llama.cpp on the GGUF: e2e tokens/s, decode-only tokens/s and prefill ms (medians)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, verbose=False, seed=0)
+    rows = []
+    for index in range(repeats + 1):
+        llm.reset()
         start = time.perf_counter()
-        for _ in range(num_tokens):
-            logits = model(token, cache)
-            cache.commit(0, [0])
-            token = logits[:, -1:].argmax(-1)
-        rates.append(num_tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+        llm.eval(prompt)
+        prefilled = time.perf_counter()
+        for _ in range(E2E_NEW_TOKENS):
+            token = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy
+            llm.eval([token])
+        done = time.perf_counter()
+        if index:  # the first run warms up
+            rows.append((prefilled - start, done - prefilled))
+    prefill = statistics.median(r[0] for r in rows)
+    decode = statistics.median(r[1] for r in rows)
+    e2e = statistics.median(E2E_NEW_TOKENS / (r[0] + r[1]) for r in rows)
+    return {"llama_cpp_tok_s": e2e, "llama_cpp_decode_tok_s": E2E_NEW_TOKENS / decode,
+            "llama_cpp_prefill_ms": prefill * 1e3, "llama_cpp_version": llama_cpp.__version__}
+
+
+def measure_format(name: str, args: argparse.Namespace, roofline: float, prompts: list[list[int]],
+                   answers: list[list[int]]) -> tuple[dict[str, Any], Transformer]:
+    started = time.perf_counter()
+    loaded = load_model(args.model, weight_format=name)
+    model = loaded.model
+    step = model.decode_step
+    compile_s = 0.0 if step is None else (step.compile_seconds or step.load_seconds or 0.0)  # type: ignore[attr-defined]
+    load_s = time.perf_counter() - started - compile_s
+    one = step_seconds(model, 1, args.repeats)
+    bytes_per_token = weight_bytes_per_token(model)
+    entry: dict[str, Any] = {
+        "decode_step_ms": round(one * 1e3, 2),
+        "decode_tok_s": round(1 / one, 1),
+        "tree_ratio": {str(n): round(tree_seconds(model, n, args.repeats) / one, 2) for n in TREE_SIZES},
+        "batch_tok_s": {str(b): round(b / step_seconds(model, b, max(3, args.repeats // 2)), 1) for b in BATCH_SIZES},
+        "weight_mb_per_token": round(bytes_per_token / 1e6, 1),
+        "weight_gb_s": round(bytes_per_token / one / 1e9, 2),
+        "roofline_fraction": round(bytes_per_token / one / 1e9 / roofline, 3),
+        "agreement_with_float32": round(agreement(model, prompts, answers), 4),
+        "load_s": round(load_s, 2),
+        "compile_s": round(compile_s, 2),
+        "compiled_decode_step": step is not None,
+    }
+    entry["batch_speedup_64"] = round(entry["batch_tok_s"]["64"] / entry["decode_tok_s"], 1)
+    return entry, model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf path or model folder")
+    parser.add_argument("--formats", default=",".join(KNOWN_FORMATS), help="comma-separated formats")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--prompts", type=int, default=9, help="chat prompts for the agreement with float32")
+    parser.add_argument("--answer-tokens", type=int, default=64, help="float32 greedy tokens per prompt")
+    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if f not in KNOWN_FORMATS]
+    if unknown:
+        parser.error(f"unknown formats {unknown}; known: {', '.join(KNOWN_FORMATS)}")
+
+    reference = load_model(args.model)  # float32, unformatted: the exact reference
+    prompts = chat_prompts(reference.tokenizer, args.prompts)
+    answers = greedy_answers(reference.model, prompts, args.answer_tokens, tuple(reference.tokenizer.stop_ids))
+    gen = torch.Generator().manual_seed(2)
+    e2e_prompt = torch.randint(100, reference.config.vocab_size, (E2E_PROMPT_TOKENS,), generator=gen).tolist()
+    gguf = reference.source if reference.source.suffix == ".gguf" else None
+    del reference
+
+    roofline = roofline_gb_s(args.repeats)
     result: dict[str, Any] = {
-        "model": args.model,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cache_length": CACHE_LENGTH,
-        "tree_shape": "complete binary tree",
+        "model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cache_length": CACHE_LENGTH, "tree_shape": "complete binary tree",
+        "roofline_gb_s": round(roofline, 1), "default_format": DEFAULT_FORMAT, "formats": {},
+        "agreement_prompts": len(prompts), "agreement_tokens": sum(len(a) for a in answers),
     }
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        loaded = load_model(args.model, dtype=dtype)
-        entry = tree_ratios(loaded.model, args.repeats)
-        entry["decode_tokens_per_s"] = round(
-            decode_tokens_per_second(loaded.model, 32, args.decode_tokens, max(3, args.repeats // 2)), 2
-        )
-        entry["load_seconds"] = round(loaded.load_seconds, 2)
-        result[name] = entry
+    e2e: dict[str, Any] = {"prompt_tokens": E2E_PROMPT_TOKENS, "new_tokens": E2E_NEW_TOKENS, "format": DEFAULT_FORMAT,
+                           "treeserve_tok_s": None, "llama_cpp_tok_s": None, "llama_cpp_decode_tok_s": None,
+                           "llama_cpp_version": None}
+    for name in formats:
+        entry, model = measure_format(name, args, roofline, prompts, answers)
+        result["formats"][name] = entry
+        if name == DEFAULT_FORMAT:
+            e2e["treeserve_tok_s"] = round(e2e_treeserve(model, e2e_prompt, max(3, args.repeats // 2)), 1)
+        del model
+        print(f"[forward] {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    if not args.no_llama_cpp and gguf is not None:
+        try:
+            e2e.update({k: (round(v, 1) if isinstance(v, float) else v)
+                        for k, v in e2e_llama_cpp(gguf, e2e_prompt, args.threads, max(3, args.repeats // 2)).items()})
+        except ImportError as exc:
+            e2e["llama_cpp_skipped"] = str(exc)
+    result["e2e"] = e2e
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    for name in ("float32", "bfloat16"):
-        entry = result[name]
-        print(f"{name}: decode {entry['decode_tokens_per_s']} tok/s, step {entry['decode_step_ms']} ms")
-        for n, ratio in entry["ratio_to_decode_step"].items():
-            print(f"  tree {n:>2} nodes: {entry['tree_forward_ms'][n]:8.2f} ms  {ratio:5.2f}x")
+    print(f"roofline (copy) {result['roofline_gb_s']} GB/s; default format {DEFAULT_FORMAT}")
+    for name, entry in result["formats"].items():
+        print(f"{name:>9}: {entry['decode_tok_s']:6.1f} tok/s  {entry['weight_gb_s']:5.1f} GB/s "
+              f"({entry['roofline_fraction']:.2f} of roofline)  tree 4/16/64 {entry['tree_ratio']}  "
+              f"batch 16/64 {entry['batch_tok_s']} tok/s  agreement {entry['agreement_with_float32']}")
+    print(f"e2e: {e2e}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ every node's logits equal those of a plain causal pass over its root-to-node pat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Literal, cast, overload
 
 import torch
@@ -96,6 +97,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by formats.apply_format (q|k|v rows fused)
 
     def forward(
         self,
@@ -110,9 +112,14 @@ class Attention(nn.Module):
         is_causal: bool,
     ) -> Tensor:
         batch, num_new, _ = x.shape
-        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
-        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q_flat, k_flat, v_flat = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q_flat.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k_flat.view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = v_flat.view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         cache.write(layer, k, v, lengths)
@@ -132,9 +139,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by formats.apply_format (gate|up rows fused)
 
     def forward(self, x: Tensor) -> Tensor:
-        result: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        result: Tensor = self.down_proj(F.silu(gate) * up)
         return result
 
 
@@ -174,6 +186,11 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
+        self.head_kernel: nn.Module | None = None  # set by formats.apply_format: the LM head in the format
+        self.weight_format: str | None = None  # the formats.WeightFormat value once applied
+        # decode_step.DecodeStep, attached for serving: runs every forward of one new token per
+        # row (tokens (B,), cache) -> (logits (B, V), final-normed hidden (B, D)).
+        self.decode_step: Callable[[Tensor, KVCache], tuple[Tensor, Tensor]] | None = None
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -213,6 +230,13 @@ class Transformer(nn.Module):
         embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits ``(..., V)`` of final-normed hidden states ``(..., D)`` (the format's
+        LM-head kernel once :func:`~treeserve.ops.formats.apply_format` has run)."""
+        if self.head_kernel is not None:
+            return cast(Tensor, self.head_kernel(hidden)).float()
+        return F.linear(hidden, self.lm_head_weight).float()
+
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
         """An empty :class:`KVCache` for this model (capacity defaults to ``max_seq_len``)."""
         capacity = self.config.max_seq_len if capacity is None else capacity
@@ -242,6 +266,8 @@ class Transformer(nn.Module):
         small.layers = nn.ModuleList(list(self.layers)[:num_layers])
         small.norm = self.norm
         small.lm_head = self.lm_head
+        small.head_kernel = self.head_kernel
+        small.weight_format = self.weight_format
         small.rope_cos = self.rope_cos
         small.rope_sin = self.rope_sin
         return small
@@ -308,9 +334,12 @@ class Transformer(nn.Module):
         the last position's logits only, and the LM head is a fifth of a 135M model's prefill."""
         if logits_to_keep is not None and not 1 <= logits_to_keep <= tokens.shape[-1]:
             raise ValueError(f"logits_to_keep must be in [1, {tokens.shape[-1]}] (or None for all), got {logits_to_keep}")
+        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, self._check_inputs(tokens, cache, tree_mask, positions)):
+            logits, hidden = self.decode_step(tokens[:, 0], cache)  # (B, V), (B, D)
+            return (logits[:, None], hidden[:, None]) if return_hidden else logits[:, None]
         h = self.hidden_states(tokens, cache, tree_mask=tree_mask, positions=positions)  # (B, T, D)
         scored = h if logits_to_keep is None else h[:, h.shape[1] - logits_to_keep:]
-        logits = F.linear(scored, self.lm_head_weight).float()  # (B, T or k, V)
+        logits = self.logits(scored)  # (B, T or k, V)
         return (logits, h) if return_hidden else logits
 
     @torch.inference_mode()
@@ -322,6 +351,22 @@ class Transformer(nn.Module):
         Writes the same pending K/V as :meth:`forward`. A prefill that keeps only the cache (the
         verifier's, whose first token comes from the next tree step) runs this.
         """
+        positions = self._check_inputs(tokens, cache, tree_mask, positions)
+        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, positions):
+            return self.decode_step(tokens[:, 0], cache)[1][:, None]
+        # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
+        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
+        return self.norm(h)
+
+    def _is_plain_decode(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> bool:
+        """True when the attached decode step computes this (validated) forward: one new token
+        per row at its committed length (a one-node tree's mask is just the token itself)."""
+        if tokens.shape[1] != 1 or not torch.equal(positions[:, 0], cache.lengths):
+            return False
+        return tree_mask is None or bool(tree_mask.all())
+
+    def _check_inputs(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
+        """Validate a forward's inputs (``ValueError``); return the positions (defaulted)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
         batch, num_new = tokens.shape
@@ -343,6 +388,4 @@ class Transformer(nn.Module):
             raise ValueError(f"positions must be (B, T) = {(batch, num_new)}, got {tuple(positions.shape)}")
         if int(positions.max()) >= self.config.max_seq_len or int(positions.min()) < 0:
             raise ValueError(f"positions must lie in [0, max_seq_len={self.config.max_seq_len})")
-        # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
-        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
-        return self.norm(h)
+        return positions

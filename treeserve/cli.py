@@ -25,7 +25,10 @@ from typing import Any
 
 from treeserve import __version__
 
-DTYPES = ("float32", "bfloat16")
+from treeserve.ops.formats import AUTO_FORMAT, FORMAT_NAMES
+
+FORMAT_HELP = ("weight format: auto (default: q4_1 where the model's shapes allow, else bfloat16), q4_1 (the "
+               "GGUF's own 4-bit blocks, fastest), int8, bfloat16, or float32 (the exact reference); --dtype is an alias")
 SPECULATE = ("none", "chain", "tree")
 DEFAULT_EXPANSION = "1,1,3,1,1,1,1,1"
 DISTILL_SETS = ("alpacaeval", "arenahard", "gsm8k")
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="end the completion before the first appearance of TEXT (repeatable)")
     gen.add_argument("--speculate", choices=SPECULATE, default="tree")
-    gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--format", "--dtype", dest="dtype", choices=FORMAT_NAMES, default=AUTO_FORMAT, help=FORMAT_HELP)
     gen.add_argument("--expansion", default=DEFAULT_EXPANSION, help="SSM expansion config, e.g. 1,1,3,1,1,1,1,1")
     gen.add_argument(
         "--draft-layers", type=int, default=0,
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="do not refine the predictor from completed requests")
     serve.add_argument("--no-adaptive", action="store_true",
                        help="always draft max-size token trees instead of sizing them by batch and measured gain")
-    serve.add_argument("--dtype", choices=DTYPES, default="float32")
+    serve.add_argument("--format", "--dtype", dest="dtype", choices=FORMAT_NAMES, default=AUTO_FORMAT, help=FORMAT_HELP)
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     serve.add_argument("--num-rows", type=int, default=16, help="concurrent requests (KV-cache rows)")
     serve.add_argument("--row-capacity", type=int, default=2048, help="tokens per KV-cache row")
@@ -411,8 +414,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    import torch
-
     from treeserve.models import DEFAULT_MODEL, load_model
     from treeserve.ops.drafting import ModelSpeculator, Speculator
     from treeserve.ops.ngram import NGramSpeculator
@@ -429,8 +430,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    loaded = load_model(args.model or DEFAULT_MODEL, dtype=dtype, cache_dir=_cache_dir(args), progress=_progress)
+    loaded = load_model(args.model or DEFAULT_MODEL, weight_format=args.dtype, cache_dir=_cache_dir(args), progress=_progress)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.raw:
         prompt_ids = tokenizer.encode(args.prompt)

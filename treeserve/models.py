@@ -30,6 +30,8 @@ from types import MappingProxyType
 
 import torch
 
+from treeserve.ops.decode_step import DecodeStep, artifact_name
+from treeserve.ops.formats import Q4Blocks, WeightFormat, apply_format, resolve_format
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.tokenizer import Tokenizer
 
@@ -251,12 +253,19 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | Path | None = None,
     progress: ProgressCallback | None = None,
+    weight_format: str | WeightFormat | None = None,
+    compile_decode: bool = True,
 ) -> LoadedModel:
     """Load a model by registry name, ``.gguf`` path, converted folder or Hugging Face folder.
 
     Registry names are pulled first if needed. GGUF files are converted once into the cache
-    dir and later loads read that converted copy. Weights end up in ``dtype``.
+    dir and later loads read that converted copy. Weights end up in ``dtype``; with
+    ``weight_format`` they are loaded in float32 and put into that format for serving
+    (:func:`prepare_for_serving`, which also compiles the decode step unless ``compile_decode``
+    is False), and ``dtype`` is ignored.
     """
+    if weight_format is not None:
+        dtype = torch.float32
     started = time.perf_counter()
     was_converted = False
     path = Path(name_or_path).expanduser()
@@ -284,7 +293,87 @@ def load_model(
             f"{name_or_path!s} is neither a known model ({', '.join(sorted(REGISTRY))}), a .gguf file, "
             "nor a folder with config.json"
         )
+    if weight_format is not None:
+        prepare_for_serving(model, path, weight_format, cache_dir=cache_dir, compile_decode=compile_decode, progress=progress)
     seconds = time.perf_counter() - started
     _report(progress, "done", f"model ready in {seconds:.1f} s")
     return LoadedModel(model=model, tokenizer=tokenizer, config=model.config, source=path,
                        was_converted=was_converted, load_seconds=seconds)
+
+
+Q4_BLOCKS_FILE = "q4_1-blocks.safetensors"
+
+
+def gguf_source_of(source: Path) -> Path | None:
+    """The GGUF file a loaded model came from (directly or through its converted folder), if any."""
+    if source.is_file() and source.suffix == ".gguf":
+        return source
+    meta_path = source / CONFIG_FILE
+    if meta_path.exists():
+        origin = Path(json.loads(meta_path.read_text(encoding="utf-8")).get("source", ""))
+        if origin.is_file() and origin.suffix == ".gguf":
+            return origin
+    return None
+
+
+def q4_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, Q4Blocks]:
+    """The GGUF's own Q4_1 blocks by parameter name (empty when the weights are not from a GGUF).
+
+    Decoded once from the GGUF (about 5 s) and kept beside its converted weights.
+    """
+    from safetensors.torch import load_file, save_file
+
+    gguf_path = gguf_source_of(source)
+    if gguf_path is None:
+        return {}
+    cached = converted_dir_for(gguf_path, cache_dir) / Q4_BLOCKS_FILE
+    if not cached.exists():
+        from treeserve.ops.loaders.gguf import read_q4_1_blocks
+
+        blocks = read_q4_1_blocks(gguf_path)
+        flat = {f"{name}.{field}": getattr(b, field) for name, b in blocks.items() for field in ("codes", "scale", "minimum")}
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".partial-{os.getpid()}")
+        save_file(flat, str(partial))
+        os.replace(partial, cached)
+    flat = load_file(str(cached))
+    names = {key.rsplit(".", 1)[0] for key in flat}
+    return {n: Q4Blocks(flat[f"{n}.codes"], flat[f"{n}.scale"], flat[f"{n}.minimum"]) for n in names}
+
+
+def prepare_for_serving(
+    model: Transformer,
+    source: Path,
+    weight_format: str | WeightFormat,
+    *,
+    cache_dir: str | Path | None = None,
+    compile_decode: bool = True,
+    progress: ProgressCallback | None = None,
+) -> Transformer:
+    """Put a float32 ``model`` (sharded already, if tensor-parallel) into ``weight_format`` and,
+    for the fast formats on CPU, attach the compiled one-token decode step.
+
+    The decode step is compiled once per model, format and torch build and saved under
+    ``<cache>/compiled`` (about a minute on 2 cores); later starts load it in seconds. If
+    compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
+    float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
+    """
+    fmt = resolve_format(weight_format, model.config)
+    blocks = q4_blocks_of(source, cache_dir) if fmt is WeightFormat.Q4_1 else {}
+    apply_format(model, fmt, q4_blocks=blocks)
+    if fmt is WeightFormat.FLOAT32 or not compile_decode or model.device.type != "cpu":
+        return model
+    compiled_dir = resolve_cache_dir(cache_dir) / "compiled"
+    # The saved step refers to inductor's compiled kernels by their cache keys: keep that cache
+    # beside it (not in /tmp), unless the user chose one.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_dir / "inductor"))
+    step = DecodeStep(model, artifact=compiled_dir / artifact_name(model))
+    if not step.artifact or not step.artifact.exists():
+        _report(progress, "compile", f"compiling the {fmt.value} decode step (once; about a minute)")
+    try:
+        step.prepare()
+    except Exception:  # a missing compiler or an inductor failure must not stop serving
+        logger.warning("compiling the decode step failed; serving eagerly", exc_info=True)
+        return model
+    model.decode_step = step
+    return model

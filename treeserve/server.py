@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.runtime import (
     ActorRef,
     RestartStrategy,
@@ -118,8 +119,8 @@ class ServerConfig:
         return default_speculators(self.model) if self.speculators is None else self.speculators
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in FORMAT_NAMES:
+            raise ValueError(f"dtype (the weight format) must be one of {', '.join(FORMAT_NAMES)}, got {self.dtype!r}")
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
         for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens"):

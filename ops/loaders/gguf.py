@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treeserve.ops.formats import Q4Blocks
 from treeserve.ops.model import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -165,3 +166,43 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
     if missing:
         raise GGUFFormatError(f"GGUF file lacks tensors for {missing}")
     return GGUFModel(config=config, state_dict=state, architecture=arch)
+
+
+def q4_1_blocks_from_raw(raw: np.ndarray) -> Q4Blocks:
+    """Decode a GGUF Q4_1 tensor's raw bytes ``(N, K/32 * 20)`` into :class:`Q4Blocks`.
+
+    A block is 20 bytes: ``d`` (float16), ``m`` (float16), then 16 bytes whose low nibbles are
+    elements 0..15 and high nibbles elements 16..31 (ggml's ``block_q4_1``).
+    """
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 20)  # (N, K/32, 20)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (N, K/32)
+    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    packed = blocks[..., 4:]  # (N, K/32, 16)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)  # (N, K)
+    return Q4Blocks(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale.copy()), torch.from_numpy(minimum.copy()))
+
+
+def read_q4_1_blocks(path: str | Path) -> dict[str, Q4Blocks]:
+    """The Q4_1 blocks of every Q4_1 linear weight in a GGUF, by our parameter name.
+
+    Q/K rows are unpermuted exactly as :func:`read_gguf` unpermutes the dequantized weights
+    (a row permutation: blocks run along the input dimension), so
+    ``blocks[name].dequantize()`` equals ``read_gguf(path).state_dict[name]`` bit for bit.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config, arch = config_from_gguf(reader)
+    found: dict[str, Q4Blocks] = {}
+    for tensor in reader.tensors:
+        name = torch_name(tensor.name)
+        if name is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or not name.endswith(".weight"):
+            continue
+        blocks = q4_1_blocks_from_raw(np.asarray(tensor.data))
+        if arch in PERMUTED_ARCHITECTURES and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+            order = torch.from_numpy(unpermute_llama_rope(np.arange(blocks.codes.shape[0]), heads))
+            blocks = blocks.rows(order)
+        found[name] = blocks
+    return found

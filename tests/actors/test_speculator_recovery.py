@@ -97,7 +97,7 @@ def test_speculator_config_validation() -> None:
         ({**good, "speculators": [{"kind": "ngram", "max_ngram": 0}]}, "max_ngram"),
         ({**good, "speculators": [{"kind": "ngram", "depth": 3}]}, "unknown keys"),
         ({**good, "speculators": [{"kind": "model", "expansion": [1]}]}, "model"),
-        ({**good, "dtype": "int8"}, "dtype"),
+        ({**good, "dtype": "int3"}, "dtype"),  # int8 is a weight format now
         ({**good, "colour": 1}, "unknown"),
         ({"speculators": []}, "model"),
     ]:

@@ -1,0 +1,357 @@
+"""Weight formats: how a loaded model's linear layers store and multiply their weights.
+
+A format is chosen at load time and applied to a float32 :class:`~treeserve.ops.model.Transformer`
+by :func:`apply_format`, a transform in the manner of gpt-fast's ``quantize`` and this
+project's ``apply_tp``: it fuses each block's Q/K/V projections into one ``qkv_proj`` and its
+gate/up projections into one ``gate_up_proj`` (the state dict on disk keeps the Hugging Face
+names), and swaps every linear, the LM head included, for the format's kernel.
+
+=========== ============ ==================================================================
+format      activations  weights and kernel (CPU)
+=========== ============ ==================================================================
+float32     float32      float32, ``F.linear`` (the exact reference of every test)
+bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU)
+int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
+q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero, ``_weight_int4pack_mm``
+=========== ============ ==================================================================
+
+**One set of weight values.** Every kernel of a format computes with the same weight values
+at every shape (one token, a tree, a batch): a format never switches to another
+representation by shape, so a server's speculative output equals its own incremental
+decoding up to float summation order. The exact equality tests run in float32.
+
+**q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
+``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and
+``zero = m + 8 d``, both held in bfloat16 (the kernel's scale dtype): the codes are the GGUF's
+own, and each weight differs from the dequantized Q4_1 value only by the bf16 rounding of
+``d`` and ``m + 8 d`` (relative 2^-9 of each). Weights that do not come from Q4_1 blocks
+(float checkpoints, the tied Q8_0 embedding) are quantized group-wise from float32.
+The LM head of the int formats is bfloat16 (the embedding is tied and Q8_0 in the GGUF).
+
+On CUDA, float32 and bfloat16 run ``F.linear`` on plain weights (cuBLAS); int8 and q4_1
+refuse with :class:`FormatUnsupportedError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from treeserve.ops.model import Block, ModelConfig, Transformer
+
+Q4_GROUP = 32
+"""Weights per Q4_1 block (and per group of the int4 kernel's scales)."""
+
+INT4_INNER_K_TILES = 8
+"""Packing parameter of ``torch._convert_weight_to_int4pack_for_cpu``."""
+
+
+class FormatUnsupportedError(ValueError):
+    """The weight format cannot run on this device or for this model's shapes."""
+
+
+class WeightFormat(enum.Enum):
+    """How the weights of a served model are stored; the value is the user-facing name."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    Q4_1 = "q4_1"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of activations, KV cache and embeddings under this format."""
+        return torch.float32 if self is WeightFormat.FLOAT32 else torch.bfloat16
+
+    @classmethod
+    def parse(cls, name: str | WeightFormat) -> WeightFormat:
+        """The format called ``name``; ``ValueError`` lists the known names otherwise."""
+        if isinstance(name, WeightFormat):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown weight format {name!r}; known: {', '.join(f.value for f in cls)}") from None
+
+
+AUTO_FORMAT = "auto"
+"""Names :data:`DEFAULT_FORMAT` where the model's shapes allow it, else bfloat16 (see
+:func:`resolve_format`); what ``serve`` and ``generate`` use unless told otherwise."""
+
+DEFAULT_FORMAT = WeightFormat.Q4_1
+"""The fastest format whose greedy output agrees with float32 on at least 90% of tokens
+(``bench/forward.py`` measures both; the figures are in ``bench/RESULTS.md``)."""
+
+FORMAT_NAMES: tuple[str, ...] = (AUTO_FORMAT, *(f.value for f in WeightFormat))
+"""The user-facing names, in the order the CLI lists them."""
+
+
+def resolve_format(name: str | WeightFormat, config: ModelConfig) -> WeightFormat:
+    """The format ``name`` stands for on a model of ``config``: ``auto`` is
+    :data:`DEFAULT_FORMAT` when every linear's input size is a multiple of the 4-bit group
+    (32), else bfloat16; any other name is that format."""
+    if name != AUTO_FORMAT:
+        return WeightFormat.parse(name)
+    inputs = (config.dim, config.num_heads * config.head_dim, config.ffn_dim)
+    return DEFAULT_FORMAT if all(size % Q4_GROUP == 0 for size in inputs) else WeightFormat.BFLOAT16
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """Q4_1 blocks of one ``(N, K)`` weight: codes ``(N, K)`` uint8 in 0..15, and per block
+    of 32 columns the float16 ``scale`` (d) and ``minimum`` (m), each ``(N, K // 32)``, so
+    ``w[n, k] = scale[n, k // 32] * codes[n, k] + minimum[n, k // 32]``."""
+
+    codes: Tensor
+    scale: Tensor
+    minimum: Tensor
+
+    def dequantize(self) -> Tensor:
+        """The float32 weights ``(N, K)`` the blocks stand for (exactly what gguf computes)."""
+        scale = self.scale.float().repeat_interleave(Q4_GROUP, dim=1)
+        minimum = self.minimum.float().repeat_interleave(Q4_GROUP, dim=1)
+        return scale * self.codes.float() + minimum
+
+    def rows(self, index: Tensor | slice) -> Q4Blocks:
+        """The blocks of the selected output rows."""
+        return Q4Blocks(self.codes[index], self.scale[index], self.minimum[index])
+
+
+def q4_blocks_from_float(weight: Tensor) -> Q4Blocks:
+    """Quantize a float ``(N, K)`` weight to Q4_1 blocks the way llama.cpp does (min/max per 32)."""
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        raise FormatUnsupportedError(f"q4_1 needs in_features divisible by {Q4_GROUP}, got {k}")
+    groups = weight.float().reshape(n, k // Q4_GROUP, Q4_GROUP)
+    low = groups.amin(-1)
+    high = groups.amax(-1)
+    scale = ((high - low) / 15).half()
+    minimum = low.half()
+    safe = torch.where(scale.float() == 0, torch.ones_like(low), scale.float())
+    codes = ((groups - minimum.float()[..., None]) / safe[..., None]).round().clamp(0, 15)
+    return Q4Blocks(codes.reshape(n, k).to(torch.uint8), scale, minimum)
+
+
+class DenseLinear(nn.Module):
+    """``F.linear`` on a plain weight (float32 on CPU; float32/bfloat16 on CUDA)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def dense_weight(self) -> Tensor:
+        """The ``(N, K)`` float32 weight values this kernel multiplies by."""
+        return self.weight.float()
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes one forward reads of this weight."""
+        return self.weight.numel() * self.weight.element_size()
+
+
+class OneDnnLinear(nn.Module):
+    """bfloat16 linear on a weight reordered once for oneDNN (``mkldnn._linear_pointwise``).
+
+    At one token this runs about twice as fast as ``F.linear`` on a plain bf16 weight, and at
+    16-64 tokens it uses AMX tiles; every shape multiplies by the same bf16 values.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        plain = weight.to(torch.bfloat16).contiguous()
+        self.out_features, self.in_features = plain.shape
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(plain, None))
+        self.register_buffer("plain", plain)  # for dense_weight(); never read by forward
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16).contiguous(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # Inductor packs the same bf16 values for oneDNN itself (``freezing``), and cannot
+            # lower the eager op on a prepacked buffer.
+            return F.linear(x, self.plain, self.bias)
+        result: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        return result
+
+    def dense_weight(self) -> Tensor:
+        return self.plain.float()
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.plain.numel() * self.plain.element_size()
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: ``x @ (q * scale).T`` with one bf16 scale per output row."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)  # (N,)
+        codes = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.codes, self.scale)
+        out = out.reshape(*shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+    def dense_weight(self) -> Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit, group 32: ``w = (q - 8) * scale + zero`` (see the module docstring)."""
+
+    def __init__(self, blocks: Q4Blocks, bias: Tensor | None) -> None:
+        super().__init__()
+        n, k = blocks.codes.shape
+        if k % Q4_GROUP:
+            raise FormatUnsupportedError(f"q4_1 needs in_features divisible by {Q4_GROUP}, got {k}")
+        scale = blocks.scale.float()
+        zero = blocks.minimum.float() + 8 * scale
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
+        self.out_features, self.in_features = n, k
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("codes", blocks.codes.contiguous())  # for dense_weight(); never read by forward
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, Q4_GROUP, self.scales_and_zeros)
+        out = out.reshape(*shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dense_weight(self) -> Tensor:
+        sz = self.scales_and_zeros.float()  # (K/32, N, 2)
+        scale = sz[..., 0].t().repeat_interleave(Q4_GROUP, dim=1)  # (N, K)
+        zero = sz[..., 1].t().repeat_interleave(Q4_GROUP, dim=1)
+        return (self.codes.float() - 8) * scale + zero
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.codes.numel() // 2 + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+
+def make_linear(
+    fmt: WeightFormat, weight: Tensor, bias: Tensor | None, *, blocks: Q4Blocks | None = None, device: torch.device | None = None
+) -> nn.Module:
+    """The format's kernel for a float ``(N, K)`` weight (``blocks``: its Q4_1 source, if any).
+
+    The LM head passes ``fmt`` BFLOAT16 for the int formats (see the module docstring).
+    """
+    device = weight.device if device is None else device
+    if device.type == "cuda":
+        if fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+            raise FormatUnsupportedError(
+                f"the {fmt.value} format has CPU kernels only; on CUDA use float32 or bfloat16"
+            )
+        dtype = fmt.activation_dtype
+        return DenseLinear(weight.to(device, dtype), None if bias is None else bias.to(device, dtype))
+    if fmt is WeightFormat.FLOAT32:
+        return DenseLinear(weight.float(), None if bias is None else bias.float())
+    if fmt is WeightFormat.BFLOAT16:
+        if not torch.backends.mkldnn.is_available():
+            return DenseLinear(weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+        return OneDnnLinear(weight, bias)
+    if fmt is WeightFormat.INT8:
+        return Int8Linear(weight, bias)
+    return Int4Linear(blocks if blocks is not None else q4_blocks_from_float(weight), bias)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights (codes, scales and zeros included) one decode step reads: every
+    format kernel of ``model``, the LM head included; embeddings and norms are left out (a
+    step reads one embedding row and a few KB of norms)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (DenseLinear, OneDnnLinear, Int8Linear, Int4Linear)):
+            total += module.num_weight_bytes
+    return total
+
+
+def _moved_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+    """Carry forward hooks (tensor parallelism's all-reduce) from a replaced linear to its kernel."""
+    for hook in old._forward_hooks.values():
+        new.register_forward_hook(hook)
+    return new
+
+
+def apply_format(
+    model: Transformer, fmt: WeightFormat | str, *, q4_blocks: Mapping[str, Q4Blocks] | None = None
+) -> Transformer:
+    """Put ``model``'s linears into ``fmt`` in place (fusing Q/K/V and gate/up) and return it.
+
+    ``model`` must hold float32 weights and must not have been formatted already; tensor
+    parallelism (``apply_tp``) goes first, so each rank formats its own slices. ``q4_blocks``
+    (parameter name -> :class:`Q4Blocks`, from :func:`~treeserve.ops.loaders.gguf.read_q4_1_blocks`)
+    gives the q4_1 format the GGUF's own codes; weights without blocks are quantized from float.
+    Embeddings and norms move to the format's activation dtype. The model then serves inference
+    only (its fused kernels carry no gradients); :meth:`Transformer.logits` uses the format's head.
+    """
+    fmt = resolve_format(fmt, model.config)
+    if model.head_kernel is not None:
+        raise ValueError("apply_format: this model is already formatted")
+    if model.dtype != torch.float32:
+        raise ValueError(f"apply_format needs a float32 model (the source values), got {model.dtype}")
+    device = model.device
+    blocks = dict(q4_blocks or {})
+    if fmt is WeightFormat.Q4_1 and blocks:
+        tp_sliced = [name for name, b in blocks.items() if name in dict(model.named_parameters())
+                     and tuple(b.codes.shape) != tuple(dict(model.named_parameters())[name].shape)]
+        if tp_sliced:
+            raise FormatUnsupportedError("q4_1 blocks do not fit a tensor-parallel shard (run q4_1 with --tp 1)")
+
+    def fused(prefix: str, parts: list[nn.Linear], names: list[str]) -> nn.Module:
+        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+        biases = [p.bias for p in parts]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        part_blocks = [blocks.get(f"{prefix}.{n}.weight") for n in names]
+        q4 = None
+        if fmt is WeightFormat.Q4_1 and all(b is not None for b in part_blocks):
+            q4 = Q4Blocks(*(torch.cat([getattr(b, f) for b in part_blocks if b is not None]) for f in ("codes", "scale", "minimum")))
+        return make_linear(fmt, weight, bias, blocks=q4, device=device)
+
+    def single(prefix: str, linear: nn.Linear) -> nn.Module:
+        bias = None if linear.bias is None else linear.bias.detach()
+        kernel = make_linear(fmt, linear.weight.detach(), bias, blocks=blocks.get(f"{prefix}.weight"), device=device)
+        return _moved_hooks(linear, kernel)
+
+    for index, module in enumerate(model.layers):
+        block = cast(Block, module)
+        attn, mlp = block.self_attn, block.mlp
+        attn.qkv_proj = fused(f"layers.{index}.self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], ["q_proj", "k_proj", "v_proj"])
+        mlp.gate_up_proj = fused(f"layers.{index}.mlp", [mlp.gate_proj, mlp.up_proj], ["gate_proj", "up_proj"])
+        attn.o_proj = cast(nn.Linear, single(f"layers.{index}.self_attn.o_proj", attn.o_proj))
+        mlp.down_proj = cast(nn.Linear, single(f"layers.{index}.mlp.down_proj", mlp.down_proj))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(attn, name)
+        for name in ("gate_proj", "up_proj"):
+            delattr(mlp, name)
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.to(fmt.activation_dtype)
+    head_fmt = WeightFormat.BFLOAT16 if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else fmt
+    model.head_kernel = make_linear(head_fmt, model.lm_head_weight.detach(), None, device=device)
+    model.embed_tokens.to(fmt.activation_dtype)
+    model.norm.to(fmt.activation_dtype)
+    if model.lm_head is not None:
+        model.lm_head.to(fmt.activation_dtype)
+    model.weight_format = fmt.value
+    return model

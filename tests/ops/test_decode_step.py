@@ -1,0 +1,132 @@
+"""The static-shape decode step (``treeserve.ops.decode_step``): it computes what the model's
+forward computes for one token per row, eagerly and compiled, and a saved step loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from treeserve.ops.decode_step import DecodeStep, artifact_name, decode_hidden
+from treeserve.ops.formats import apply_format
+from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.model import Transformer
+
+from .conftest import make_tiny_model
+
+FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8)
+
+
+def _ragged_cache(model: Transformer, lengths: list[int], capacity: int = 40) -> KVCache:
+    """A cache whose rows hold different numbers of committed random tokens."""
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(len(lengths), capacity)
+    longest = max(lengths)
+    model.hidden_states(torch.randint(0, model.config.vocab_size, (len(lengths), longest), generator=gen), cache)
+    for row, length in enumerate(lengths):
+        cache.commit(row, range(length))
+    return cache
+
+
+def _clone(cache: KVCache) -> KVCache:
+    twin = KVCache(num_layers=cache.num_layers, batch_size=cache.batch_size, num_kv_heads=cache.keys[0].shape[1],
+                   head_dim=cache.keys[0].shape[3], capacity=cache.capacity, dtype=cache.dtype)
+    for mine, theirs in zip(twin.keys + twin.values, cache.keys + cache.values):
+        mine.copy_(theirs)
+    twin.lengths.copy_(cache.lengths)
+    return twin
+
+
+def _forward_reference(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own tree forward of a one-node tree per row (what the verifier runs)."""
+    ones = torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool)
+    logits, hidden = model(tokens[:, None], cache, tree_mask=ones, positions=cache.lengths[:, None].clone(),
+                           return_hidden=True)
+    return logits[:, 0], hidden[:, 0]
+
+
+def test_eager_decode_step_equals_the_forward_in_float32() -> None:
+    """Rows at different lengths: same logits, same K/V written at each row's own slot."""
+    model = apply_format(make_tiny_model(2, **FORMAT_DIMS), "float32")
+    cache = _ragged_cache(model, [5, 17, 9])
+    twin = _clone(cache)
+    tokens = torch.tensor([3, 50, 7])
+    logits, hidden = DecodeStep(model)(tokens, cache)
+    ref_logits, ref_hidden = _forward_reference(model, tokens, twin)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    assert cache.num_pending == [1, 1, 1]
+    for mine, theirs in zip(cache.keys + cache.values, twin.keys + twin.values):
+        for row, length in enumerate([5, 17, 9]):
+            torch.testing.assert_close(mine[row, :, : length + 1], theirs[row, :, : length + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_never_sees_a_rows_stale_slots() -> None:
+    """Garbage beyond a row's length (another request's leftovers) must not change its logits."""
+    model = apply_format(make_tiny_model(4, **FORMAT_DIMS), "float32")
+    cache = _ragged_cache(model, [4, 12])
+    clean = _clone(cache)
+    for keys in cache.keys:
+        keys[0, :, 5:] = 1e3  # row 0 attends to slots 0..4 only (4 committed + the new token)
+    tokens = torch.tensor([9, 9])
+    dirty_logits = DecodeStep(model)(tokens, cache)[0]
+    clean_logits = DecodeStep(model)(tokens, clean)[0]
+    torch.testing.assert_close(dirty_logits, clean_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_the_forward_uses_an_attached_step_only_for_plain_decode() -> None:
+    model = apply_format(make_tiny_model(6, **FORMAT_DIMS), "float32")
+    calls: list[int] = []
+    step = DecodeStep(model)
+
+    def counting(tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(tokens.shape[0])
+        return step(tokens, cache)
+
+    model.decode_step = counting
+    cache = _ragged_cache(model, [6, 6])
+    model(torch.tensor([[1], [2]]), cache)  # plain decode
+    assert calls == [2]
+    cache.truncate(0, 6), cache.truncate(1, 6)
+    model(torch.tensor([[1, 2], [3, 4]]), cache)  # two new tokens: the general forward
+    cache.truncate(0, 6), cache.truncate(1, 6)
+    model(torch.tensor([[1], [2]]), cache, positions=torch.tensor([[7], [6]]))  # not at the row's length
+    assert calls == [2]
+
+
+def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path) -> None:
+    """One compile serves every batch size and sequence length; a second process-like load
+    of the saved file computes the same logits. (The compiled path of the served formats.)"""
+    model = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    artifact = tmp_path / artifact_name(model)
+    step = DecodeStep(model, artifact=artifact)
+    step.prepare()
+    assert step.is_compiled and artifact.exists() and step.compile_seconds is not None
+    for lengths in ([3], [5, 30, 11], [2, 2, 2, 2]):
+        cache = _ragged_cache(model, lengths)
+        twin = _clone(cache)
+        tokens = torch.arange(len(lengths)) + 5
+        logits = step(tokens, cache)[0]
+        eager = DecodeStep(model)(tokens, twin)[0]
+        # bf16 activations: inductor keeps fused intermediates in float32 where eager rounds
+        # them, so the two differ by bf16 rounding (relative to the logits' spread, as in
+        # test_formats); a wrong slot, mask or row would differ by the spread itself.
+        spread = (eager.amax(-1) - eager.amin(-1))[:, None]
+        assert ((logits - eager).abs() / spread).max().item() <= 0.05
+    loaded = DecodeStep(model, artifact=artifact)
+    loaded.prepare()
+    assert loaded.load_seconds is not None and loaded.compile_seconds is None
+    cache = _ragged_cache(model, [7, 19])
+    twin = _clone(cache)
+    torch.testing.assert_close(loaded(torch.tensor([1, 2]), cache)[0], step(torch.tensor([1, 2]), twin)[0])
+
+
+def test_artifact_name_follows_the_format() -> None:
+    a = apply_format(make_tiny_model(0, **FORMAT_DIMS), "q4_1")
+    b = apply_format(make_tiny_model(0, **FORMAT_DIMS), "bfloat16")
+    c = apply_format(make_tiny_model(0, **{**FORMAT_DIMS, "num_layers": 2}), "q4_1")
+    assert len({artifact_name(a), artifact_name(b), artifact_name(c)}) == 3
+    with pytest.raises(ValueError, match="formatted model"):
+        decode_hidden(make_tiny_model(0, **FORMAT_DIMS), torch.tensor([1]), torch.tensor([0]),
+                      [torch.zeros(1, 2, 4, 8)] * 3, [torch.zeros(1, 2, 4, 8)] * 3, torch.empty(1))
