@@ -38,6 +38,7 @@ from typing import Any
 import uvloop
 
 from treeserve.client import Client
+from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.server import Server, ServerConfig
 
 BUILTIN_PROMPTS = [
@@ -179,7 +180,8 @@ async def _rounds(result: dict[str, Any], endpoint: str, prompts: list[str], mod
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--format", "--dtype", dest="dtype", choices=FORMAT_NAMES, default="float32",
+                        help="weight format of the served model (float32: the exact reference)")
     parser.add_argument("--dataset", default=None, help="a set fetched by bench/data/fetch.py (e.g. mtbench)")
     parser.add_argument("--prompts", default=None, help="a file with one prompt per line")
     parser.add_argument("--limit", type=int, default=None)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from treeserve.ops.drafting import Speculator
+from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
@@ -380,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", default=None,
                         help=f"subset of {' '.join(ALL_MODES)} (also chain:ngram, chain:distilled); default: all available")
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.8])
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--format", "--dtype", dest="dtype", choices=FORMAT_NAMES, default="float32",
+                        help="weight format of treeserve's model (the peers run bfloat16 unless float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every mode (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="registry name, .gguf path or HF folder (default: SmolLM2-135M)")

@@ -92,12 +92,15 @@ FORMAT_NAMES: tuple[str, ...] = (AUTO_FORMAT, *(f.value for f in WeightFormat))
 """The user-facing names, in the order the CLI lists them."""
 
 
-def resolve_format(name: str | WeightFormat, config: ModelConfig) -> WeightFormat:
-    """The format ``name`` stands for on a model of ``config``: ``auto`` is
-    :data:`DEFAULT_FORMAT` when every linear's input size is a multiple of the 4-bit group
-    (32), else bfloat16; any other name is that format."""
+def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None) -> WeightFormat:
+    """The format ``name`` stands for on a model of ``config`` on ``device``: ``auto`` is
+    :data:`DEFAULT_FORMAT` on CPU when every linear's input size is a multiple of the 4-bit
+    group (32), else bfloat16 (the int formats have CPU kernels only); any other name is that
+    format."""
     if name != AUTO_FORMAT:
         return WeightFormat.parse(name)
+    if device is not None and device.type != "cpu":
+        return WeightFormat.BFLOAT16
     inputs = (config.dim, config.num_heads * config.head_dim, config.ffn_dim)
     return DEFAULT_FORMAT if all(size % Q4_GROUP == 0 for size in inputs) else WeightFormat.BFLOAT16
 
@@ -159,6 +162,20 @@ class DenseLinear(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
 
+@torch.library.custom_op("treeserve::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """``x @ W.T + bias`` with ``W`` reordered for oneDNN: an opaque op to ``torch.compile``
+    (inductor cannot lower the eager oneDNN op on a prepacked weight), so the compiled decode
+    step calls the same prepacked kernel as the eager forward."""
+    result: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    return result
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class OneDnnLinear(nn.Module):
     """bfloat16 linear on a weight reordered once for oneDNN (``mkldnn._linear_pointwise``).
 
@@ -175,12 +192,7 @@ class OneDnnLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16).contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            # Inductor packs the same bf16 values for oneDNN itself (``freezing``), and cannot
-            # lower the eager op on a prepacked buffer.
-            return F.linear(x, self.plain, self.bias)
-        result: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        return result
+        return onednn_linear(x, self.packed, self.bias, self.out_features)
 
     def dense_weight(self) -> Tensor:
         return self.plain.float()
@@ -306,7 +318,7 @@ def apply_format(
     Embeddings and norms move to the format's activation dtype. The model then serves inference
     only (its fused kernels carry no gradients); :meth:`Transformer.logits` uses the format's head.
     """
-    fmt = resolve_format(fmt, model.config)
+    fmt = resolve_format(fmt, model.config, model.device)
     if model.head_kernel is not None:
         raise ValueError("apply_format: this model is already formatted")
     if model.dtype != torch.float32:

@@ -358,7 +358,7 @@ def prepare_for_serving(
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
-    fmt = resolve_format(weight_format, model.config)
+    fmt = resolve_format(weight_format, model.config, model.device)
     blocks = q4_blocks_of(source, cache_dir) if fmt is WeightFormat.Q4_1 else {}
     apply_format(model, fmt, q4_blocks=blocks)
     if fmt is WeightFormat.FLOAT32 or not compile_decode or model.device.type != "cpu":

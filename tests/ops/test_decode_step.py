@@ -95,10 +95,12 @@ def test_the_forward_uses_an_attached_step_only_for_plain_decode() -> None:
     assert calls == [2]
 
 
-def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["q4_1", "bfloat16"])
+def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str) -> None:
     """One compile serves every batch size and sequence length; a second process-like load
-    of the saved file computes the same logits. (The compiled path of the served formats.)"""
-    model = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    of the saved file computes the same logits. (The compiled path of the served formats:
+    the int4 kernel, and the prepacked oneDNN kernel behind its opaque op.)"""
+    model = apply_format(make_tiny_model(8, **FORMAT_DIMS), name)
     artifact = tmp_path / artifact_name(model)
     step = DecodeStep(model, artifact=artifact)
     step.prepare()

@@ -14,7 +14,9 @@ from treeserve.ops.formats import (
     Q4Blocks,
     WeightFormat,
     apply_format,
+    make_linear,
     q4_blocks_from_float,
+    resolve_format,
     weight_bytes_per_token,
 )
 from treeserve.ops.loaders.gguf import q4_1_blocks_from_raw
@@ -101,6 +103,15 @@ def test_apply_format_refuses_twice_and_non_float32() -> None:
         apply_format(make_tiny_model(0), "q4_1")  # dim 48
     assert apply_format(make_tiny_model(0), AUTO_FORMAT).weight_format == "bfloat16"  # auto: q4_1 only where it fits
     assert apply_format(make_tiny_model(0, **FORMAT_DIMS), AUTO_FORMAT).weight_format == "q4_1"
+    config = make_tiny_model(0, **FORMAT_DIMS).config
+    assert resolve_format(AUTO_FORMAT, config, torch.device("cuda")) is WeightFormat.BFLOAT16  # int kernels: CPU only
+
+
+def test_int_formats_refuse_cuda_with_a_clear_error() -> None:
+    weight = torch.zeros(64, 64)
+    for fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+        with pytest.raises(FormatUnsupportedError, match="CPU kernels only"):
+            make_linear(fmt, weight, None, device=torch.device("cuda"))
 
 
 def test_q4_1_kernel_computes_with_the_blocks_values() -> None:
