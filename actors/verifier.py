@@ -45,7 +45,7 @@ from treeserve.ops.batch_step import (
     verify_rows,
     verify_rows_with_states,
 )
-from treeserve.ops.formats import FORMAT_NAMES
+from treeserve.ops.formats import AUTO_FORMAT, FORMAT_NAMES
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator
@@ -261,7 +261,10 @@ class VerifierShard(Actor):
         from treeserve.models import prepare_for_serving
 
         model = model.to(cfg.device)
-        model = prepare_for_serving(model, source, cfg.dtype, cache_dir=cfg.cache_dir)
+        # q4_1 takes the GGUF's blocks whole, which a tensor-parallel shard does not hold: auto
+        # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
+        weight_format = "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
+        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir)
         self._model = model
         self._cache = model.new_cache(cfg.num_rows, capacity)
 

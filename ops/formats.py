@@ -326,8 +326,8 @@ def apply_format(
     device = model.device
     blocks = dict(q4_blocks or {})
     if fmt is WeightFormat.Q4_1 and blocks:
-        tp_sliced = [name for name, b in blocks.items() if name in dict(model.named_parameters())
-                     and tuple(b.codes.shape) != tuple(dict(model.named_parameters())[name].shape)]
+        params = dict(model.named_parameters())
+        tp_sliced = [name for name, b in blocks.items() if name in params and b.codes.shape != params[name].shape]
         if tp_sliced:
             raise FormatUnsupportedError("q4_1 blocks do not fit a tensor-parallel shard (run q4_1 with --tp 1)")
 

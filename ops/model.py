@@ -11,8 +11,8 @@ every node's logits equal those of a plain causal pass over its root-to-node pat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, cast, overload
 
 import torch
