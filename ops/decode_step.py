@@ -13,8 +13,8 @@ more than its weight reads. :class:`DecodeStep` runs it as one function of tenso
   recompiles (gpt-fast's ``decode_one_token``, with a dynamic instead of a maximal slot count
   so the attention reads only the slots in use);
 * the compiled function is saved to one file (``torch.compile``'s ``aot_compile``), so a
-  second start loads it in a few seconds instead of tracing and compiling (about a minute for
-  the default model on 2 cores).
+  second start loads it in a few seconds instead of tracing and compiling (about two minutes
+  for the default model on 2 cores).
 
 The step computes exactly what ``Transformer.forward`` computes for one new token per row with
 the same kernels (one set of weight values), so it can replace it anywhere. Trees and prefills
@@ -122,10 +122,13 @@ class DecodeStep:
             return
         started = time.perf_counter()
         if self.artifact.exists():
-            with self.artifact.open("rb") as file:
-                self._compiled = torch.compiler.load_compiled_function(file)
-            self.load_seconds = time.perf_counter() - started
-            return
+            try:
+                with self.artifact.open("rb") as file:
+                    self._compiled = torch.compiler.load_compiled_function(file)
+                self.load_seconds = time.perf_counter() - started
+                return
+            except Exception:  # a truncated or foreign file: compile afresh below
+                self.artifact.unlink(missing_ok=True)
         # Two rows and a few slots: dynamo specializes dimensions of size 1, so an example of
         # one row would compile a function for batch 1 only.
         example_cache = self.model.new_cache(2, 16)

@@ -354,7 +354,7 @@ def prepare_for_serving(
     for the fast formats on CPU, attach the compiled one-token decode step.
 
     The decode step is compiled once per model, format and torch build and saved under
-    ``<cache>/compiled`` (about a minute on 2 cores); later starts load it in seconds. If
+    ``<cache>/compiled`` (107-116 s on this project's 2 cores); later starts load it in seconds. If
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
@@ -368,8 +368,11 @@ def prepare_for_serving(
     # beside it (not in /tmp), unless the user chose one.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_dir / "inductor"))
     step = DecodeStep(model, artifact=compiled_dir / artifact_name(model))
-    if not step.artifact or not step.artifact.exists():
-        _report(progress, "compile", f"compiling the {fmt.value} decode step (once; about a minute)")
+    if step.artifact is not None and not step.artifact.exists():
+        message = f"compiling the {fmt.value} decode step once (about two minutes on 2 cores; later starts load it)"
+        logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
+        if progress is not None:
+            progress(Progress("compile", message))
     try:
         step.prepare()
     except Exception:  # a missing compiler or an inductor failure must not stop serving

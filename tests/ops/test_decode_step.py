@@ -122,6 +122,12 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str) 
     cache = _ragged_cache(model, [7, 19])
     twin = _clone(cache)
     torch.testing.assert_close(loaded(torch.tensor([1, 2]), cache)[0], step(torch.tensor([1, 2]), twin)[0])
+    if name == "bfloat16":  # a truncated file is replaced by a fresh compile, not served
+        broken = tmp_path / "broken.aot"
+        broken.write_bytes(artifact.read_bytes()[:100])
+        recovered = DecodeStep(model, artifact=broken)
+        recovered.prepare()
+        assert recovered.is_compiled and recovered.compile_seconds is not None and broken.stat().st_size > 100
 
 
 def test_artifact_name_follows_the_format() -> None:
