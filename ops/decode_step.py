@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+import torch._inductor.config
 from torch import Tensor
 
 from treeserve.ops.kv_cache import KVCache
@@ -123,7 +124,10 @@ class DecodeStep:
         started = time.perf_counter()
         if self.artifact.exists():
             try:
-                with self.artifact.open("rb") as file:
+                # Loading probes each vector ISA by compiling and dlopen-ing a test library in
+                # a subprocess (about 2 s); the saved kernels were built for this CPU (the
+                # file name covers its capability), so the probe is skipped.
+                with self.artifact.open("rb") as file, torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
                     self._compiled = torch.compiler.load_compiled_function(file)
                 self.load_seconds = time.perf_counter() - started
                 return
