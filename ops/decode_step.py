@@ -99,9 +99,11 @@ class DecodeStep:
     happened and how long it took.
 
     The compiled function is traced once with the batch, the cache capacity and the number of
-    visible slots symbolic, and runs without dynamo's guards (they cost about 1 ms a step), so
-    this class checks what the guards would have: the model's config, format, dtype and
-    device must be those the artifact's name was derived from (:func:`artifact_name`).
+    visible slots symbolic, and runs without dynamo's guards (they cost about 1 ms a step).
+    What the guards would have checked is covered instead by the artifact's name, which
+    :func:`artifact_name` derives from the model's config, format, dtype and device (a step is
+    only loaded for the model it was compiled for), and by each call's check that the cache
+    belongs to the model.
     """
 
     def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
