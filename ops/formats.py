@@ -152,10 +152,6 @@ class DenseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def dense_weight(self) -> Tensor:
-        """The ``(N, K)`` float32 weight values this kernel multiplies by."""
-        return self.weight.float()
-
     @property
     def num_weight_bytes(self) -> int:
         """Bytes one forward reads of this weight."""
@@ -188,18 +184,14 @@ class OneDnnLinear(nn.Module):
         plain = weight.to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = plain.shape
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(plain, None))
-        self.register_buffer("plain", plain)  # for dense_weight(); never read by forward
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16).contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return onednn_linear(x, self.packed, self.bias, self.out_features)
 
-    def dense_weight(self) -> Tensor:
-        return self.plain.float()
-
     @property
     def num_weight_bytes(self) -> int:
-        return self.plain.numel() * self.plain.element_size()
+        return self.out_features * self.in_features * 2  # bf16
 
 
 class Int8Linear(nn.Module):
@@ -220,9 +212,6 @@ class Int8Linear(nn.Module):
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
-    def dense_weight(self) -> Tensor:
-        return self.codes.float() * self.scale.float()[:, None]
-
     @property
     def num_weight_bytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * self.scale.element_size()
@@ -242,7 +231,6 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = n, k
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.register_buffer("codes", blocks.codes.contiguous())  # for dense_weight(); never read by forward
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -251,15 +239,9 @@ class Int4Linear(nn.Module):
         out = out.reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
-    def dense_weight(self) -> Tensor:
-        sz = self.scales_and_zeros.float()  # (K/32, N, 2)
-        scale = sz[..., 0].t().repeat_interleave(Q4_GROUP, dim=1)  # (N, K)
-        zero = sz[..., 1].t().repeat_interleave(Q4_GROUP, dim=1)
-        return (self.codes.float() - 8) * scale + zero
-
     @property
     def num_weight_bytes(self) -> int:
-        return self.codes.numel() // 2 + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
 def make_linear(

@@ -334,10 +334,11 @@ class Transformer(nn.Module):
         the last position's logits only, and the LM head is a fifth of a 135M model's prefill."""
         if logits_to_keep is not None and not 1 <= logits_to_keep <= tokens.shape[-1]:
             raise ValueError(f"logits_to_keep must be in [1, {tokens.shape[-1]}] (or None for all), got {logits_to_keep}")
-        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, self._check_inputs(tokens, cache, tree_mask, positions)):
+        positions = self._check_inputs(tokens, cache, tree_mask, positions)
+        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, positions):
             logits, hidden = self.decode_step(tokens[:, 0], cache)  # (B, V), (B, D)
             return (logits[:, None], hidden[:, None]) if return_hidden else logits[:, None]
-        h = self.hidden_states(tokens, cache, tree_mask=tree_mask, positions=positions)  # (B, T, D)
+        h = self._hidden_states(tokens, cache, tree_mask, positions)  # (B, T, D)
         scored = h if logits_to_keep is None else h[:, h.shape[1] - logits_to_keep:]
         logits = self.logits(scored)  # (B, T or k, V)
         return (logits, h) if return_hidden else logits
@@ -354,7 +355,10 @@ class Transformer(nn.Module):
         positions = self._check_inputs(tokens, cache, tree_mask, positions)
         if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, positions):
             return self.decode_step(tokens[:, 0], cache)[1][:, None]
-        # Validation is done: only now mark slots pending (a rejected call leaves the cache as it was).
+        return self._hidden_states(tokens, cache, tree_mask, positions)
+
+    def _hidden_states(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> Tensor:
+        # Inputs are validated: only now mark slots pending (a rejected call leaves the cache as it was).
         h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         return self.norm(h)
 

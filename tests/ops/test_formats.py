@@ -129,7 +129,6 @@ def test_q4_1_kernel_computes_with_the_blocks_values() -> None:
     # bf16 rounding of scale (times |q - 8| <= 8) and zero, plus the bf16 output of the product.
     bound = 2.0**-8 * (8 * scale + zero) + 2.0**-8 * exact.abs() + 1e-7
     assert bool(((seen - exact).abs() <= bound).all())
-    torch.testing.assert_close(linear.dense_weight(), seen, rtol=2**-7, atol=1e-6)
     # A wrong code layout (the nibble order flipped) must fail the same check.
     flipped = Int4Linear(Q4Blocks(15 - blocks.codes, blocks.scale, blocks.minimum), None)
     assert not bool(((flipped(identity).float().t() - exact).abs() <= bound).all())
