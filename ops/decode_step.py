@@ -1,25 +1,29 @@
-"""The one-token decode step with static shapes, built for ``torch.compile``.
+"""The decode step with static shapes, built for ``torch.compile``: one token per row, or a
+token tree of up to 64 nodes.
 
-A plain decode step (every row adds one token) is the forward that batch-1 latency, adaptive
-speculation's fallback and large batches all run, and in eager mode its ~1,000 small ops cost
-more than its weight reads. :class:`DecodeStep` runs it as one function of tensors only:
+A decode step (every row adds one token) is the forward that batch-1 latency, adaptive
+speculation's fallback and large batches run, and a tree of a few dozen nodes is the
+verifier's step. In eager mode their ~1,500 small ops cost more than their weight reads.
+:class:`DecodeStep` runs them as one function of tensors only:
 
 * the KV cache is the model's preallocated :class:`~treeserve.ops.kv_cache.KVCache` storage,
-  written in place at each row's committed length with an indexed store (no host read of the
-  lengths, no per-row Python loop);
-* attention reads slots ``[0, num_slots)``, ``num_slots = max(lengths) + 1``, under a
-  ``(B, 1, 1, S)`` mask that hides each row's slots past its own new token; ``S`` and the row
-  count ``B`` are marked dynamic, so neither a growing sequence nor a different row block
-  recompiles (gpt-fast's ``decode_one_token``, with a dynamic instead of a maximal slot count
-  so the attention reads only the slots in use);
+  written in place after each row's committed tokens with an indexed store (no host read of
+  the lengths, no per-row Python loop);
+* attention (torch's fused CPU kernel) reads slots ``[0, num_slots)``, ``num_slots =
+  max(lengths) + T``, under a ``(B, 1, T, S)`` mask, built once from the tree mask, that
+  hides each row's slots past its own new tokens; the row count ``B``, the new tokens ``T``
+  and the slots ``S`` are symbolic, so neither a growing sequence nor another batch or tree
+  size recompiles (gpt-fast's ``decode_one_token``, with a dynamic instead of a maximal slot
+  count so the attention reads only the slots in use);
 * the compiled function is saved to one file (``torch.compile``'s ``aot_compile``), so a
-  second start loads it in a few seconds instead of tracing and compiling (about two minutes
-  for the default model on 2 cores).
+  second start loads it in a few seconds instead of tracing and compiling (75-180 s for the
+  default model on 2 cores, as measured).
 
-The step computes exactly what ``Transformer.forward`` computes for one new token per row with
-the same kernels (one set of weight values), so it can replace it anywhere. Trees and prefills
-stay eager: their shapes vary and their time is in the matrix products, not in op overhead.
+The step computes what ``Transformer.forward`` computes for the same tokens, with the same
+kernels (one set of weight values), so it can replace it anywhere. Prefills of more than 64
+tokens stay eager: their ops are few per token, and their time is in the matrix products.
 """
+
 
 from __future__ import annotations
 
@@ -35,76 +39,89 @@ from torch import Tensor
 
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, Transformer, apply_rope
+from treeserve.ops.tree_attention import attention_under_mask
+
+MAX_NEW_TOKENS = 64
+"""The most new tokens per row the step takes (the verifier's largest trees); longer inputs are
+prefills, which the eager forward runs with torch's flash attention."""
 
 
-def decode_hidden(
-    model: Transformer, tokens: Tensor, lengths: Tensor, keys: list[Tensor], values: list[Tensor], num_slots: Tensor
+def step_hidden(
+    model: Transformer, tokens: Tensor, positions: Tensor, tree_mask: Tensor, lengths: Tensor,
+    keys: list[Tensor], values: list[Tensor], num_slots: Tensor,
 ) -> Tensor:
-    """Final-normed hidden states ``(B, D)`` of one new token per row; writes its K/V at slot
-    ``lengths[b]``. The LM head runs outside (eagerly, on the format's prepacked kernel).
+    """Final-normed hidden states ``(B, T, D)`` of ``T`` new tokens per row (a one-token decode,
+    a token tree or a short chain); writes their K/V at slots ``lengths[b] + t``. The LM head
+    runs outside (eagerly, on the format's prepacked kernel).
 
-    ``tokens`` ``(B,)``, ``lengths`` ``(B,)`` long (committed lengths, not advanced here),
-    ``keys``/``values`` the cache's per-layer ``(B, n_kv, C, hd)`` storage, and ``num_slots`` a
-    ``(S,)`` tensor whose *length* is ``max(lengths) + 1`` (a shape, so compiling keeps it
-    symbolic). Pure tensor code: no host reads, no data-dependent branches.
+    ``tokens``/``positions`` ``(B, T)``, ``tree_mask`` ``(B, T, T)`` bool (new token ``t``
+    sees new token ``s`` iff set; a chain passes the lower triangle), ``lengths`` ``(B,)`` long
+    (committed lengths, not advanced here), ``keys``/``values`` the cache's per-layer
+    ``(B, n_kv, C, hd)`` storage, and ``num_slots`` a ``(S,)`` tensor whose *length* is
+    ``max(lengths) + T`` (a shape, so compiling keeps it symbolic). Pure tensor code: no host
+    reads, no data-dependent branches.
     """
     config = model.config
-    batch = tokens.shape[0]
+    batch, num_new = tokens.shape
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
+    # Slot s of row b: committed (s < lengths[b]), new token s - lengths[b] (seen per the tree
+    # mask), or beyond the row's new tokens (hidden: another request's leftovers).
     slots = torch.arange(num_slots.shape[0], device=tokens.device)  # (S,)
-    mask = (slots[None, :] <= lengths[:, None])[:, None, None, :]  # (B, 1, 1, S) True = attend
-    cos = model.rope_cos[lengths].to(dtype)[:, None, None, :]  # (B, 1, 1, hd)
-    sin = model.rope_sin[lengths].to(dtype)[:, None, None, :]
-    rows = torch.arange(batch, device=tokens.device)
-    h = model.embed_tokens(tokens)[:, None, :]  # (B, 1, D)
+    rel = slots[None, :] - lengths[:, None]  # (B, S)
+    is_new = (rel >= 0) & (rel < num_new)
+    seen_new = tree_mask.gather(2, rel.clamp(0, num_new - 1)[:, None, :].expand(batch, num_new, -1))  # (B, T, S)
+    mask = (rel < 0)[:, None, :] | (seen_new & is_new[:, None, :])  # (B, T, S) True = attend
+    mask = mask[:, None]  # (B, 1, T, S)
+    cos = model.rope_cos[positions].to(dtype)[:, :, None, :]  # (B, T, 1, hd)
+    sin = model.rope_sin[positions].to(dtype)[:, :, None, :]
+    rows = torch.arange(batch, device=tokens.device)[:, None]  # (B, 1)
+    write_slots = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
+    h = model.embed_tokens(tokens)  # (B, T, D)
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
         attn = block.self_attn
-        x = block.input_layernorm(h)
-        q_size, kv_size = attn.num_heads * head_dim, attn.num_kv_heads * head_dim
         if attn.qkv_proj is None:
             raise ValueError("the decode step needs a formatted model (formats.apply_format fuses its projections)")
-        q, k, v = attn.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(batch, 1, attn.num_heads, head_dim).transpose(1, 2), cos, sin)  # (B, H, 1, hd)
-        k = apply_rope(k.view(batch, 1, attn.num_kv_heads, head_dim).transpose(1, 2), cos, sin)  # (B, n_kv, 1, hd)
-        v = v.view(batch, 1, attn.num_kv_heads, head_dim).transpose(1, 2)
-        keys[index][rows, :, lengths] = k[:, :, 0]  # (B, n_kv, hd) into slot lengths[b]
-        values[index][rows, :, lengths] = v[:, :, 0]
+        q, k, v = attn.qkv_proj(block.input_layernorm(h)).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(batch, num_new, num_heads, head_dim), cos, sin)  # (B, T, H, hd)
+        k = apply_rope(k.view(batch, num_new, num_kv, head_dim), cos, sin)  # (B, T, n_kv, hd)
+        keys[index][rows, :, write_slots] = k  # indexed (B, T) -> (B, T, n_kv, hd)
+        values[index][rows, :, write_slots] = v.view(batch, num_new, num_kv, head_dim)
         visible_k = keys[index][:, :, : num_slots.shape[0]]  # (B, n_kv, S, hd)
         visible_v = values[index][:, :, : num_slots.shape[0]]
-        group = attn.num_heads // attn.num_kv_heads
-        q_grouped = q.view(batch, attn.num_kv_heads, group, 1, head_dim)  # (B, n_kv, g, 1, hd): GQA, K/V not expanded
-        # Written as products and sums (not bmm) so inductor fuses the whole attention of a
-        # row into one loop over its slots; at one query per head that beats any GEMM call.
-        scores = (q_grouped.float() * visible_k[:, :, None].float()).sum(-1) * head_dim**-0.5  # (B, n_kv, g, S)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # (B, n_kv, g, S) float32
-        out = (probs[..., None] * visible_v[:, :, None].float()).sum(-2).to(dtype)  # (B, n_kv, g, hd)
-        out = out.view(batch, attn.num_heads, 1, head_dim)  # (B, H, 1, hd)
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(batch, 1, q_size))
+        # torch's fused CPU attention (flash; GQA without expanding K/V), as in the eager forward.
+        # At one query per head, attention written as products and sums for inductor to fuse
+        # measured no faster at one row and slower at 64 (a 130 ms step against 99 ms).
+        out = attention_under_mask(q.transpose(1, 2), visible_k, visible_v, mask)  # (B, H, T, hd)
+        out = out.transpose(1, 2).reshape(batch, num_new, q_size)  # (B, T, H*hd)
+        h = h + attn.o_proj(out)
         h = h + block.mlp(block.post_attention_layernorm(h))
-    return model.norm(h[:, 0])  # (B, D)
+    return model.norm(h)  # (B, T, D)
 
 
 class DecodeStep:
-    """``step(tokens (B,), cache) -> (logits (B, V) float32, hidden (B, D))``, one token per row.
+    """``step(tokens (B, T), cache, tree_mask, positions) -> hidden (B, T, D)``: the forward of up
+    to :attr:`max_new` new tokens per row (a decode step, or the verifier's token tree).
 
-    Writes each row's new K/V at its committed length and marks one pending slot per row, as
-    ``Transformer.forward`` does (keep it with ``cache.commit(row, [0])``). Without
-    ``artifact`` the function runs eagerly (the tests' reference, and the path wherever
-    compiling is off). With ``artifact`` (a file path) it is compiled ahead of time by
-    ``torch.compile``'s ``aot_compile`` on first use, saved there, and later processes load it
-    without tracing or compiling again; ``compile_seconds`` / ``load_seconds`` say which
-    happened and how long it took.
+    Writes each row's new K/V after its committed tokens and marks them pending, as
+    ``Transformer.forward`` does. Without ``artifact`` :func:`step_hidden` runs eagerly (the
+    tests' reference, and the path wherever compiling is off). With ``artifact`` (a file path)
+    it is compiled ahead of time by ``torch.compile``'s ``aot_compile`` on first use, saved
+    there, and later processes load it without tracing or compiling again;
+    ``compile_seconds`` / ``load_seconds`` say which happened and how long it took.
 
-    The compiled function is traced once with the batch, the cache capacity and the number of
-    visible slots symbolic, and runs without dynamo's guards (they cost about 1 ms a step).
-    What the guards would have checked is covered instead by the artifact's name, which
-    :func:`artifact_name` derives from the model's config, format, dtype and device (a step is
-    only loaded for the model it was compiled for), and by each call's check that the cache
-    belongs to the model.
+    The compiled function is traced once with the batch, the number of new tokens, the cache
+    capacity and the number of visible slots symbolic, and runs without dynamo's guards (they
+    cost about 1 ms a step). What the guards would have checked is covered instead by the
+    artifact's name, which :func:`artifact_name` derives from the model's config, format,
+    dtype and device (a step is only loaded for the model it was compiled for), and by each
+    call's check that the cache belongs to the model. Longer inputs (prefill) stay with the
+    model's eager forward.
     """
+
+    max_new = MAX_NEW_TOKENS
 
     def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
         self.model = model
@@ -135,20 +152,26 @@ class DecodeStep:
                 return
             except Exception:  # a truncated or foreign file: compile afresh below
                 self.artifact.unlink(missing_ok=True)
-        # Two rows and a few slots: dynamo specializes dimensions of size 1, so an example of
-        # one row would compile a function for batch 1 only.
+        # Two rows, two new tokens and a few slots: dynamo specializes dimensions of size 1, so
+        # an example of one row (or one token) would compile a function for that size only.
         example_cache = self.model.new_cache(2, 16)
-        tokens = torch.zeros(example_cache.batch_size, dtype=torch.long, device=example_cache.device)
-        num_slots = torch.empty(3, dtype=torch.bool)
-        for tensor in (tokens, example_cache.lengths, num_slots):
+        device = example_cache.device
+        tokens = torch.zeros(2, 2, dtype=torch.long, device=device)
+        positions = torch.zeros(2, 2, dtype=torch.long, device=device)
+        tree_mask = torch.ones(2, 2, 2, dtype=torch.bool, device=device)
+        num_slots = torch.empty(4, dtype=torch.bool)
+        for tensor in (tokens, positions, tree_mask, example_cache.lengths, num_slots):
             torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (tokens, positions, tree_mask):
+            torch._dynamo.mark_dynamic(tensor, 1)
+        torch._dynamo.mark_dynamic(tree_mask, 2)
         for tensor in example_cache.keys + example_cache.values:
             torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(tensor, 2)
-        fn = torch.compile(decode_hidden, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        fn = torch.compile(step_hidden, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         with torch.inference_mode():
-            compiled = fn.aot_compile(((self.model, tokens, example_cache.lengths, example_cache.keys,
-                                        example_cache.values, num_slots), {}))
+            compiled = fn.aot_compile(((self.model, tokens, positions, tree_mask, example_cache.lengths,
+                                        example_cache.keys, example_cache.values, num_slots), {}))
         self.artifact.parent.mkdir(parents=True, exist_ok=True)
         partial = self.artifact.with_suffix(f".partial-{os.getpid()}")
         compiled.save_compiled_function(str(partial))
@@ -157,16 +180,24 @@ class DecodeStep:
         self.compile_seconds = time.perf_counter() - started
 
     @torch.inference_mode()
-    def __call__(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
-        if tokens.dim() != 1 or tokens.shape[0] != cache.batch_size:
-            raise ValueError(f"tokens must be (B,) = ({cache.batch_size},), got {tuple(tokens.shape)}")
+    def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
+                 positions: Tensor | None = None) -> Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or not 1 <= tokens.shape[1] <= self.max_new:
+            raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and 1 <= T <= {self.max_new}, "
+                             f"got {tuple(tokens.shape)}")
         if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
             raise ValueError("the cache does not belong to this decode step's model")
-        lengths = cache.begin_write(1)
-        num_slots = torch.empty(max(lengths) + 1, dtype=torch.bool)  # only its length is read
-        fn = self._compiled if self._compiled is not None else decode_hidden
-        hidden = fn(self.model, tokens, cache.lengths, cache.keys, cache.values, num_slots)  # (B, D)
-        return self.model.logits(hidden), hidden
+        batch, num_new = tokens.shape
+        if positions is None:
+            positions = cache.lengths[:, None] + torch.arange(num_new)
+        if tree_mask is None:  # a chain: each new token sees itself and the ones before it
+            tree_mask = torch.ones(num_new, num_new, dtype=torch.bool).tril().expand(batch, -1, -1)
+        lengths = cache.begin_write(num_new)
+        num_slots = torch.empty(max(lengths) + num_new, dtype=torch.bool)  # only its length is read
+        fn = self._compiled if self._compiled is not None else step_hidden
+        # The compiled function was traced on dense inputs (it checks their strides).
+        return fn(self.model, tokens.contiguous(), positions.contiguous(), tree_mask.contiguous(), cache.lengths,
+                  cache.keys, cache.values, num_slots)
 
 
 def artifact_name(model: Transformer) -> str:
@@ -177,11 +208,13 @@ def artifact_name(model: Transformer) -> str:
     import platform
 
     from treeserve.ops import formats, model as model_module
+    from treeserve.ops.kernels import q4_amx
 
-    sources = b"".join(Path(m.__file__).read_bytes() for m in (model_module, formats) if m.__file__) + Path(__file__).read_bytes()
+    files = [Path(m.__file__) for m in (model_module, formats, q4_amx) if m.__file__] + [Path(__file__), q4_amx.SOURCE]
+    sources = b"".join(path.read_bytes() for path in files)
     key = "|".join([
         repr(sorted(model.config.__dict__.items())), str(model.weight_format), str(model.dtype), str(model.device),
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-        hashlib.sha256(sources).hexdigest(),
+        hashlib.sha256(sources).hexdigest(), f"amx={q4_amx.available() if model.weight_format == 'q4_1' else None}",
     ])
     return f"decode-{model.weight_format}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

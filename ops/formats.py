@@ -12,13 +12,16 @@ format      activations  weights and kernel (CPU)
 float32     float32      float32, ``F.linear`` (the exact reference of every test)
 bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
-q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero, ``_weight_int4pack_mm``
+q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``_weight_int4pack_mm``
+                         for 1-3 rows, the AMX kernel of ``kernels/q4_amx`` from 4 rows on
 =========== ============ ==================================================================
 
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
 representation by shape, so a server's speculative output equals its own incremental
-decoding up to float summation order. The exact equality tests run in float32.
+decoding up to float summation order. The exact equality tests run in float32. q4_1 has two
+kernels, picked by row count inside one op; both read the same codes, scales and zeros and
+neither rounds a weight (``kernels/q4_amx.py`` says how), and a test compares them.
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from treeserve.ops.kernels import q4_amx
 from treeserve.ops.model import Block, ModelConfig, Transformer
 
 Q4_GROUP = 32
@@ -218,7 +222,12 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only 4-bit, group 32: ``w = (q - 8) * scale + zero`` (see the module docstring)."""
+    """Weight-only 4-bit, group 32: ``w = (q - 8) * scale + zero`` (see the module docstring).
+
+    Where the AMX kernel runs (:func:`~treeserve.ops.kernels.q4_amx.available` and both sizes
+    multiples of 32) it also holds the codes in that kernel's packing (another half byte per
+    weight), and one op picks the kernel by row count.
+    """
 
     def __init__(self, blocks: Q4Blocks, bias: Tensor | None) -> None:
         super().__init__()
@@ -232,10 +241,24 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        amx = q4_amx.supports(n, k) and q4_amx.available()
+        # The bf16 scales and zeros the one-row kernel reads, as exact fp32 values.
+        codes, scales_zeros = (
+            q4_amx.pack(blocks.codes, scales_and_zeros[..., 0].t().float(), scales_and_zeros[..., 1].t().float())
+            if amx else (None, None)
+        )
+        self.amx_codes: Tensor | None
+        self.amx_scales_zeros: Tensor | None
+        self.register_buffer("amx_codes", codes)
+        self.register_buffer("amx_scales_zeros", scales_zeros)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, Q4_GROUP, self.scales_and_zeros)
+        rows = x.reshape(-1, shape[-1])
+        if self.amx_codes is not None and self.amx_scales_zeros is not None:
+            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.packed, self.scales_and_zeros, self.out_features)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
         out = out.reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

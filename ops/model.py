@@ -11,9 +11,8 @@ every node's logits equal those of a plain causal pass over its root-to-node pat
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast, overload
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,9 @@ from torch import Tensor, nn
 
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
+
+if TYPE_CHECKING:
+    from treeserve.ops.decode_step import DecodeStep
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,9 @@ class Transformer(nn.Module):
         )
         self.head_kernel: nn.Module | None = None  # set by formats.apply_format: the LM head in the format
         self.weight_format: str | None = None  # the formats.WeightFormat value once applied
-        # decode_step.DecodeStep, attached for serving: runs every forward of one new token per
-        # row (tokens (B,), cache) -> (logits (B, V), final-normed hidden (B, D)).
-        self.decode_step: Callable[[Tensor, KVCache], tuple[Tensor, Tensor]] | None = None
+        # decode_step.DecodeStep, attached for serving: runs every forward of at most
+        # decode_step.max_new new tokens per row (decode steps and trees); see _hidden_states.
+        self.decode_step: DecodeStep | None = None
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -335,9 +337,6 @@ class Transformer(nn.Module):
         if logits_to_keep is not None and not 1 <= logits_to_keep <= tokens.shape[-1]:
             raise ValueError(f"logits_to_keep must be in [1, {tokens.shape[-1]}] (or None for all), got {logits_to_keep}")
         positions = self._check_inputs(tokens, cache, tree_mask, positions)
-        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, positions):
-            logits, hidden = self.decode_step(tokens[:, 0], cache)  # (B, V), (B, D)
-            return (logits[:, None], hidden[:, None]) if return_hidden else logits[:, None]
         h = self._hidden_states(tokens, cache, tree_mask, positions)  # (B, T, D)
         scored = h if logits_to_keep is None else h[:, h.shape[1] - logits_to_keep:]
         logits = self.logits(scored)  # (B, T or k, V)
@@ -353,21 +352,15 @@ class Transformer(nn.Module):
         verifier's, whose first token comes from the next tree step) runs this.
         """
         positions = self._check_inputs(tokens, cache, tree_mask, positions)
-        if self.decode_step is not None and self._is_plain_decode(tokens, cache, tree_mask, positions):
-            return self.decode_step(tokens[:, 0], cache)[1][:, None]
         return self._hidden_states(tokens, cache, tree_mask, positions)
 
     def _hidden_states(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> Tensor:
         # Inputs are validated: only now mark slots pending (a rejected call leaves the cache as it was).
+        step = self.decode_step
+        if step is not None and tokens.shape[1] <= step.max_new:
+            return step(tokens, cache, tree_mask, positions)
         h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         return self.norm(h)
-
-    def _is_plain_decode(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> bool:
-        """True when the attached decode step computes this (validated) forward: one new token
-        per row at its committed length (a one-node tree's mask is just the token itself)."""
-        if tokens.shape[1] != 1 or not torch.equal(positions[:, 0], cache.lengths):
-            return False
-        return tree_mask is None or bool(tree_mask.all())
 
     def _check_inputs(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
         """Validate a forward's inputs (``ValueError``); return the positions (defaulted)."""

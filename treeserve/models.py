@@ -369,7 +369,7 @@ def prepare_for_serving(
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_dir / "inductor"))
     step = DecodeStep(model, artifact=compiled_dir / artifact_name(model))
     if step.artifact is not None and not step.artifact.exists():
-        message = f"compiling the {fmt.value} decode step once (about two minutes on 2 cores; later starts load it)"
+        message = f"compiling the {fmt.value} decode step once (two to three minutes on 2 cores; later starts load it)"
         logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
         if progress is not None:
             progress(Progress("compile", message))

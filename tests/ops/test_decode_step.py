@@ -1,5 +1,6 @@
 """The static-shape decode step (``treeserve.ops.decode_step``): it computes what the model's
-forward computes for one token per row, eagerly and compiled, and a saved step loads."""
+forward computes for one token per row and for token trees, eagerly and compiled, and a saved
+step loads."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeserve.ops.decode_step import DecodeStep, artifact_name, decode_hidden
+from treeserve.ops.decode_step import DecodeStep, artifact_name, step_hidden
 from treeserve.ops.formats import apply_format
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
+from treeserve.ops.tree_attention import tree_mask_from_parents
 
 from .conftest import make_tiny_model
 
@@ -46,13 +48,19 @@ def _forward_reference(model: Transformer, tokens: torch.Tensor, cache: KVCache)
     return logits[:, 0], hidden[:, 0]
 
 
+def _step_logits(step: DecodeStep, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row through ``step``: (logits (B, V), hidden (B, D))."""
+    hidden = step(tokens[:, None], cache)[:, 0]
+    return step.model.logits(hidden), hidden
+
+
 def test_eager_decode_step_equals_the_forward_in_float32() -> None:
     """Rows at different lengths: same logits, same K/V written at each row's own slot."""
     model = apply_format(make_tiny_model(2, **FORMAT_DIMS), "float32")
     cache = _ragged_cache(model, [5, 17, 9])
     twin = _clone(cache)
     tokens = torch.tensor([3, 50, 7])
-    logits, hidden = DecodeStep(model)(tokens, cache)
+    logits, hidden = _step_logits(DecodeStep(model), tokens, cache)
     ref_logits, ref_hidden = _forward_reference(model, tokens, twin)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
@@ -70,29 +78,63 @@ def test_decode_step_never_sees_a_rows_stale_slots() -> None:
     for keys in cache.keys:
         keys[0, :, 5:] = 1e3  # row 0 attends to slots 0..4 only (4 committed + the new token)
     tokens = torch.tensor([9, 9])
-    dirty_logits = DecodeStep(model)(tokens, cache)[0]
-    clean_logits = DecodeStep(model)(tokens, clean)[0]
+    dirty_logits = _step_logits(DecodeStep(model), tokens, cache)[0]
+    clean_logits = _step_logits(DecodeStep(model), tokens, clean)[0]
     torch.testing.assert_close(dirty_logits, clean_logits, rtol=1e-6, atol=1e-6)
 
 
-def test_the_forward_uses_an_attached_step_only_for_plain_decode() -> None:
+def _trees(lengths: list[int], num_nodes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random token trees per row: (tokens (B, T), tree_mask (B, T, T), positions (B, T))."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.stack([
+        torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, num_nodes)])
+        for _ in lengths
+    ])
+    mask = tree_mask_from_parents(parents)
+    positions = torch.tensor(lengths)[:, None] + mask.sum(-1) - 1  # committed length + depth
+    return torch.randint(0, 100, (len(lengths), num_nodes), generator=gen), mask, positions
+
+
+def test_eager_step_of_a_tree_equals_the_general_forward_in_float32() -> None:
+    """Ragged rows, each with its own random tree: the step's mask, positions and K/V slots
+    are the general forward's (a wrong ancestor, depth or slot changes the logits)."""
+    model = apply_format(make_tiny_model(3, **FORMAT_DIMS), "float32")
+    lengths = [5, 17, 9]
+    cache = _ragged_cache(model, lengths)
+    twin = _clone(cache)
+    tokens, mask, positions = _trees(lengths, 7, seed=3)
+    hidden = DecodeStep(model)(tokens, cache, mask, positions)
+    assert model.decode_step is None  # the reference below is the eager general forward
+    ref_hidden = model.hidden_states(tokens, twin, tree_mask=mask, positions=positions)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    assert cache.num_pending == [7, 7, 7]
+    for mine, theirs in zip(cache.keys + cache.values, twin.keys + twin.values):
+        for row, length in enumerate(lengths):
+            torch.testing.assert_close(mine[row, :, : length + 7], theirs[row, :, : length + 7], rtol=1e-5, atol=1e-5)
+    chain = DecodeStep(model)(tokens[:, :3], _ragged_cache(model, lengths))  # no mask: a causal chain
+    ref_chain = model.hidden_states(tokens[:, :3], _ragged_cache(model, lengths))
+    torch.testing.assert_close(chain, ref_chain, rtol=1e-5, atol=1e-5)
+
+
+def test_the_forward_uses_an_attached_step_up_to_its_token_limit() -> None:
     model = apply_format(make_tiny_model(6, **FORMAT_DIMS), "float32")
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
     step = DecodeStep(model)
 
-    def counting(tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(tokens.shape[0])
-        return step(tokens, cache)
+    class Counting(DecodeStep):
+        def __call__(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+            calls.append(tuple(tokens.shape))
+            return step(tokens, cache, tree_mask, positions)
 
-    model.decode_step = counting
-    cache = _ragged_cache(model, [6, 6])
-    model(torch.tensor([[1], [2]]), cache)  # plain decode
-    assert calls == [2]
+    model.decode_step = Counting(model)
+    cache = _ragged_cache(model, [6, 6], capacity=DecodeStep.max_new + 20)  # a 6-token prefill
+    model(torch.tensor([[1], [2]]), cache)  # a decode step
     cache.truncate(0, 6), cache.truncate(1, 6)
-    model(torch.tensor([[1, 2], [3, 4]]), cache)  # two new tokens: the general forward
+    model(torch.tensor([[1, 2], [3, 4]]), cache)  # two new tokens
     cache.truncate(0, 6), cache.truncate(1, 6)
-    model(torch.tensor([[1], [2]]), cache, positions=torch.tensor([[7], [6]]))  # not at the row's length
-    assert calls == [2]
+    model(torch.ones(2, DecodeStep.max_new + 1, dtype=torch.long), cache)  # a prefill: the eager forward
+    assert calls == [(2, 6), (2, 1), (2, 2)]
 
 
 @pytest.mark.parametrize("name", ["q4_1", "bfloat16"])
@@ -105,23 +147,25 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str) 
     step = DecodeStep(model, artifact=artifact)
     step.prepare()
     assert step.is_compiled and artifact.exists() and step.compile_seconds is not None
-    for lengths in ([3], [5, 30, 11], [2, 2, 2, 2]):
-        cache = _ragged_cache(model, lengths)
+    eager_step = DecodeStep(model)
+    for lengths, num_nodes in (([3], 1), ([5, 30, 11], 1), ([2, 2, 2, 2], 1), ([3], 5), ([5, 30, 11], 16)):
+        cache = _ragged_cache(model, lengths, capacity=48)
         twin = _clone(cache)
-        tokens = torch.arange(len(lengths)) + 5
-        logits = step(tokens, cache)[0]
-        eager = DecodeStep(model)(tokens, twin)[0]
+        tokens, mask, positions = _trees(lengths, num_nodes, seed=num_nodes)
+        logits = model.logits(step(tokens, cache, mask, positions))
+        eager = model.logits(eager_step(tokens, twin, mask, positions))
         # bf16 activations: inductor keeps fused intermediates in float32 where eager rounds
         # them, so the two differ by bf16 rounding (relative to the logits' spread, as in
         # test_formats); a wrong slot, mask or row would differ by the spread itself.
-        spread = (eager.amax(-1) - eager.amin(-1))[:, None]
+        spread = (eager.amax(-1) - eager.amin(-1))[..., None]
         assert ((logits - eager).abs() / spread).max().item() <= 0.05
     loaded = DecodeStep(model, artifact=artifact)
     loaded.prepare()
     assert loaded.load_seconds is not None and loaded.compile_seconds is None
     cache = _ragged_cache(model, [7, 19])
     twin = _clone(cache)
-    torch.testing.assert_close(loaded(torch.tensor([1, 2]), cache)[0], step(torch.tensor([1, 2]), twin)[0])
+    torch.testing.assert_close(_step_logits(loaded, torch.tensor([1, 2]), cache)[0],
+                               _step_logits(step, torch.tensor([1, 2]), twin)[0])
     if name == "bfloat16":  # a truncated file is replaced by a fresh compile, not served
         broken = tmp_path / "broken.aot"
         broken.write_bytes(artifact.read_bytes()[:100])
@@ -136,5 +180,6 @@ def test_artifact_name_follows_the_format() -> None:
     c = apply_format(make_tiny_model(0, **{**FORMAT_DIMS, "num_layers": 2}), "q4_1")
     assert len({artifact_name(a), artifact_name(b), artifact_name(c)}) == 3
     with pytest.raises(ValueError, match="formatted model"):
-        decode_hidden(make_tiny_model(0, **FORMAT_DIMS), torch.tensor([1]), torch.tensor([0]),
-                      [torch.zeros(1, 2, 4, 8)] * 3, [torch.zeros(1, 2, 4, 8)] * 3, torch.empty(1))
+        step_hidden(make_tiny_model(0, **FORMAT_DIMS), torch.tensor([[1]]), torch.tensor([[0]]),
+                    torch.ones(1, 1, 1, dtype=torch.bool), torch.tensor([0]),
+                    [torch.zeros(1, 2, 4, 8)] * 3, [torch.zeros(1, 2, 4, 8)] * 3, torch.empty(1))

@@ -1,0 +1,175 @@
+"""The q4_1 format's many-row kernel: 4-bit group-32 weights times bf16 rows on AMX tiles.
+
+torch's ``_weight_int4pack_mm_for_cpu`` reads 4-bit weights fast for one row, but it computes
+in fp32 FMAs, so a 16-node tree costs about six one-token steps and a 64-row batch twenty. The
+kernel in ``q4_amx.cpp`` multiplies the same codes, scales and zeros for several rows at once:
+a bf16 AMX tile is exactly one group of 32 along K, the codes ``q - 8`` are exact in bf16, and
+each group's partial sum is scaled in fp32, so it computes with the same weight values as the
+one-row kernel (see the C++ header) and differs from it only in float summation order.
+
+The source is compiled once per machine (about 7 s) with the system C++ compiler (``g++``, or
+``$CXX``) against torch's headers, into ``$TREESERVE_CACHE/kernels`` (default
+``~/.cache/treeserve/kernels``), keyed by the source, flags, compiler and torch version. It
+registers the dispatcher op ``torch.ops.treeserve_q4.mm``, which takes both packings and picks
+the kernel by row count, so an eager forward and the compiled decode step call it alike.
+:func:`available` says whether it can run here: a CPU with AMX-BF16, a compiler, and a
+successful build; otherwise the q4_1 format runs the one-row kernel at every shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+"""Weights per group along K (one bf16 AMX tile deep); N and K must be multiples of it."""
+
+SOURCE = Path(__file__).with_name("q4_amx.cpp")
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+         "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+
+MIN_ROWS = 4
+"""From this many rows on, the AMX kernel runs (fewer rows: torch's one-row kernel). Measured
+by ``bench/q4_kernel.py`` on the default model's four weight shapes, 2 threads: at 1-2 rows
+the one-row kernel is faster (the tiles take 1.03-1.6x its time), at 4 rows they tie (0.9-1.3x
+by shape, 1.13x summed), from 8 rows on the tiles win (1.5-2.5x at 8, 2.5-4.4x at 16)."""
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def build_dir() -> Path:
+    """Where the compiled library is kept (beside the rest of treeserve's cache)."""
+    root = os.environ.get("TREESERVE_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "treeserve") / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _torch_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *(f"-L{path}" for path in libs),
+            *(f"-Wl,-rpath,{path}" for path in libs), "-lc10", "-ltorch_cpu"]
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = [*FLAGS, *_torch_flags()]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    target = build_dir() / f"q4_amx-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("q4_amx: compiling the AMX kernel once for this machine (%s)", target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        scratch = Path(tmp) / target.name
+        subprocess.run([compiler, str(SOURCE), "-o", str(scratch), *flags], capture_output=True, text=True, check=True)
+        os.replace(scratch, target)  # atomic: a concurrent builder ends with one whole file
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        compiler = _compiler()
+        if compiler is None:
+            log.info("q4_amx: no C++ compiler found; q4_1 runs its one-row kernel at every shape")
+            return None
+        if not _cpu_has_amx():
+            log.info("q4_amx: this CPU offers no AMX-BF16 tiles; q4_1 runs its one-row kernel at every shape")
+            return None
+        try:
+            path = _build(compiler)
+            library = ctypes.CDLL(str(path))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+            log.warning("q4_amx: the AMX kernel could not be built or loaded (%s); q4_1 runs its one-row kernel", detail)
+            return None
+        library.ts_q4_amx_init.restype = ctypes.c_int
+        if not library.ts_q4_amx_init():
+            log.info("q4_amx: the OS refused this process the AMX tile state; q4_1 runs its one-row kernel")
+            return None
+        torch.ops.load_library(str(path))  # registers treeserve_q4::mm
+        torch.library.register_fake("treeserve_q4::mm")(_mm_shape)
+        _library = library
+        return library
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"))
+
+
+def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, row_packed: Tensor, row_scales_zeros: Tensor,
+              out_features: int, min_rows: int) -> Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+def available() -> bool:
+    """True when the AMX kernel is built, loaded and allowed to use tiles on this CPU."""
+    return _load() is not None
+
+
+def supports(out_features: int, in_features: int) -> bool:
+    """True when a weight of this shape fits the kernel (both sizes multiples of 32)."""
+    return out_features % GROUP == 0 and in_features % GROUP == 0
+
+
+def pack(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's layouts (see ``q4_amx.cpp``) of codes ``(N, K)`` uint8 in 0..15 and the
+    fp32 ``scale`` and ``zero`` ``(N, K // 32)`` of ``w = (q - 8) * scale + zero``.
+
+    Returns (codes ``(N * K // 2,)`` uint8, scales and zeros ``(N // 32, K // 32, 2, 32)`` fp32).
+    """
+    n, k = codes.shape
+    if not supports(n, k):
+        raise ValueError(f"q4_amx needs both sizes multiples of {GROUP}, got ({n}, {k})")
+    if scale.shape != (n, k // GROUP) or zero.shape != scale.shape:
+        raise ValueError(f"scale and zero must be {(n, k // GROUP)}, got {tuple(scale.shape)} and {tuple(zero.shape)}")
+    # k = g*32 + p*4 + r*2 + j: group g, tile row pair p, row r of the pair (nibble), VNNI slot j;
+    # n = nb*32 + h*16 + c: block nb, tile h, column c.
+    q = codes.to(torch.uint8).reshape(n // GROUP, 2, 16, k // GROUP, 8, 2, 2)  # (nb, h, c, g, p, r, j)
+    q = q.permute(0, 3, 1, 4, 5, 2, 6)  # (nb, g, h, p, r, c, j)
+    packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).contiguous().reshape(-1)
+    def blocked(t: Tensor) -> Tensor:
+        return t.float().reshape(n // GROUP, GROUP, k // GROUP).permute(0, 2, 1)  # (nb, g, 32)
+    scales_zeros = torch.stack([blocked(scale), blocked(zero)], dim=2).contiguous()  # (nb, g, 2, 32)
+    return packed, scales_zeros
+
+
+def mm(x: Tensor, codes: Tensor, scales_zeros: Tensor, row_packed: Tensor, row_scales_zeros: Tensor,
+       out_features: int, min_rows: int = MIN_ROWS) -> Tensor:
+    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: bf16 ``(M, N)``. ``codes``/``scales_zeros`` are
+    :func:`pack`'s; ``row_packed``/``row_scales_zeros`` the same weight packed for
+    ``torch._weight_int4pack_mm_for_cpu``, which runs when ``M < min_rows``.
+
+    Call only once :func:`available` has returned True (it loads the op).
+    """
+    result: Tensor = torch.ops.treeserve_q4.mm(x, codes, scales_zeros, row_packed, row_scales_zeros, out_features, min_rows)
+    return result
