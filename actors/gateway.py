@@ -1,7 +1,8 @@
 """``GatewayActor``: the public front door. It owns its own ROUTER socket speaking the
 wire protocol (``transport/PROTOCOL.md``, section "Gateway messages"), validates and
 tokenizes ``generate`` requests, streams the scheduler's tokens back as text + token ids,
-and cancels the scheduler stream when a client cancels or goes away.
+and cancels the scheduler stream when a client cancels or goes away. ``info`` and ``health``
+report whether the server behind it has failed for good (a supervisor gave up).
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class _Peer:
 
 SchedulerSource: TypeAlias = ActorRef | Callable[[], ActorRef]
 
+HealthSource: TypeAlias = Callable[[], list[str]]
+"""Returns why the server can no longer serve (one line per supervisor that gave up); empty: healthy."""
+
 
 class GatewayActor(Actor):
     """Serves the public ``generate`` / ``info`` protocol on its own ROUTER socket.
@@ -114,10 +118,16 @@ class GatewayActor(Actor):
     client silent for ``disconnect_timeout_s`` cancels the scheduler stream, which frees
     the request's KV row. Bad messages get an error reply (or are dropped and counted when
     no reply is possible); everyone else keeps being served.
+
+    ``failures`` (optional) says why the server behind the gateway can no longer serve; once
+    it is non-empty, ``info`` and ``health`` report ``status: "failed"`` with those lines,
+    ``generate`` is refused with a non-retryable ``unavailable``, and errors of streams that
+    were running lose their ``retryable`` mark (a retry would meet the same dead server).
     """
 
     def __init__(
-        self, config: GatewayConfig, tokenizer: TokenizerLike, scheduler: SchedulerSource
+        self, config: GatewayConfig, tokenizer: TokenizerLike, scheduler: SchedulerSource,
+        failures: HealthSource | None = None,
     ) -> None:
         if not isinstance(config, GatewayConfig):
             raise TypeError("GatewayActor needs a GatewayConfig")
@@ -132,6 +142,7 @@ class GatewayActor(Actor):
         self._tokenizer = tokenizer
         self._stop_ids = sorted({int(t) for t in tokenizer.stop_ids})
         self._scheduler = scheduler
+        self._failures = failures
         self._ctx: zmq.asyncio.Context | None = None
         self._auth: CurveAuthenticator | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -174,11 +185,11 @@ class GatewayActor(Actor):
             await self._close_sockets()
             raise
         started = asyncio.get_running_loop().create_future()
-        self._serve_task = asyncio.get_running_loop().create_task(
-            self._serve(started), name=f"gateway:{self._endpoint}"
-        )
-        self._serve_task.add_done_callback(_log_serve_end)
-        await started
+        self._serve_task = self.tasks.start(self._serve(started), f"serve:{self._endpoint}")
+        await asyncio.wait([started, self._serve_task], return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            await self._close_sockets()
+            raise RuntimeError("the gateway's receive loop ended before it served")
         _log.info("gateway serving on %s", self._endpoint)
 
     async def on_stop(self) -> None:
@@ -266,15 +277,16 @@ class GatewayActor(Actor):
             self._refuse(peer, req.id, ErrorCode.NO_SUCH_ACTOR,
                          f"this endpoint only serves target {GATEWAY_TARGET!r}, not {req.target!r}")
             return
-        if req.method == "info":
+        if req.method in ("info", "health"):
             if req.stream:
-                self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST, "'info' is unary: send it with stream=false")
+                self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST,
+                             f"{req.method!r} is unary: send it with stream=false")
                 return
-            self._send_now(peer, Reply(req.id, self._info()))
+            self._send_now(peer, Reply(req.id, self._info() if req.method == "info" else self._health()))
             return
         if req.method != "generate":
             self._refuse(peer, req.id, ErrorCode.NO_SUCH_METHOD,
-                         f"unknown method {req.method!r} (methods: 'generate' (stream), 'info')")
+                         f"unknown method {req.method!r} (methods: 'generate' (stream), 'info', 'health')")
             return
         if not req.stream:
             self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST, "'generate' streams: send it with stream=true")
@@ -285,6 +297,10 @@ class GatewayActor(Actor):
             return
         if req.timeout_ms == 0:
             self._refuse(peer, req.id, ErrorCode.DEADLINE_EXCEEDED, "request arrived with no time left")
+            return
+        failures = self._current_failures()
+        if failures:
+            self._send_now(peer, Error(req.id, ErrorCode.UNAVAILABLE, _failed_text(failures), False))
             return
         cfg = self.config
         try:
@@ -313,9 +329,17 @@ class GatewayActor(Actor):
         stream.task = self._tg.create_task(self._run_stream(stream, parsed, timeout_s),
                                            name=f"gateway:stream:{req.id}")
 
+    def _current_failures(self) -> list[str]:
+        return [] if self._failures is None else list(self._failures())
+
+    def _health(self) -> dict[str, Any]:
+        failures = self._current_failures()
+        return {"status": "failed" if failures else "ok", "failures": failures}
+
     def _info(self) -> dict[str, Any]:
         cfg = self.config
         return {
+            **self._health(),
             "model": cfg.model_name,
             "vocab_size": self._vocab_size,
             "context_length": cfg.context_length,
@@ -422,6 +446,9 @@ class GatewayActor(Actor):
                 self.stats_counters.num_completed += 1
             else:
                 self.stats_counters.num_failed += 1
+                failures = self._current_failures()
+                if failures and error.retryable:  # the server behind us is gone for good
+                    error = Error(error.id, error.code, f"{error.message} ({_failed_text(failures)})", False)
                 self._send_now(stream.peer, error)
         except asyncio.CancelledError:
             if stream.cancel_reason in (None, _Why.SHUTDOWN):
@@ -437,7 +464,7 @@ class GatewayActor(Actor):
         msg_id = stream.msg_id
         try:
             async with asyncio.timeout(timeout_s):
-                await self._generate(stream, req)
+                await self._generate(stream, req, timeout_s)
         except InvalidRequest as exc:
             self.stats_counters.num_invalid += 1
             return Error(msg_id, ErrorCode.INVALID_REQUEST, str(exc))
@@ -456,7 +483,7 @@ class GatewayActor(Actor):
             return Error(msg_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         return None
 
-    async def _generate(self, stream: _Stream, req: GenerateRequest) -> None:
+    async def _generate(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:
         prompt_ids = prompt_ids_for(self._tokenizer, req, self.config.context_length)
         scheduler = self._scheduler if isinstance(self._scheduler, ActorRef) else self._scheduler()
 
@@ -465,10 +492,10 @@ class GatewayActor(Actor):
             stream.seq += 1
 
         body = scheduler_body(req, prompt_ids, self._stop_ids)
-        end_body = await relay_generation(scheduler, body, self._tokenizer, send_item, req.stop)
+        end_body = await relay_generation(scheduler, body, self._tokenizer, send_item, req.stop,
+                                          timeout_s=timeout_s, item_timeout_s=self.config.scheduler_timeout_s)
         await self._send(stream, StreamEnd(stream.msg_id, stream.seq, end_body))
 
 
-def _log_serve_end(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        _log.error("gateway: receive loop died", exc_info=task.exception())
+def _failed_text(failures: list[str]) -> str:
+    return "the server has failed and will not recover: " + "; ".join(failures)

@@ -52,6 +52,9 @@ class GatewayConfig:
     retryable). While a client has a stream open, the gateway sends it a heartbeat every
     ``heartbeat_interval_s`` and cancels its streams once nothing was heard from it for
     ``disconnect_timeout_s`` (or a send to it fails). ``limits`` apply to received messages.
+    ``scheduler_timeout_s`` bounds each wait for the scheduler's next item of a stream (the
+    scheduler sends a keepalive at least every quarter of its step timeout; the server sets
+    this to that step timeout): past it the stream ends with a non-retryable ``internal`` error.
     """
 
     bind: str = "tcp://127.0.0.1:5555"
@@ -65,6 +68,7 @@ class GatewayConfig:
     curve: CurveServerConfig | None = None
     allow_public_bind: bool = False
     limits: WireLimits = field(default=GATEWAY_LIMITS)
+    scheduler_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -79,7 +83,7 @@ class GatewayConfig:
             isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1
         ):
             raise ValueError(f"GatewayConfig.vocab_size must be None or an int >= 1, got {self.vocab_size!r}")
-        for name in ("heartbeat_interval_s", "disconnect_timeout_s"):
+        for name in ("heartbeat_interval_s", "disconnect_timeout_s", "scheduler_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
                 math.isfinite(value) and value > 0

@@ -18,11 +18,13 @@ __all__ = [
     "GENERATE_FIELDS",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
+    "MIN_SAMPLING_TEMPERATURE",
     "ChatMessage",
     "GenerateRequest",
     "InvalidRequest",
     "Speculate",
     "parse_generate",
+    "sampling_temperature",
 ]
 
 DEFAULT_MAX_TOKENS = 128
@@ -31,6 +33,19 @@ _MAX_MESSAGES = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _MESSAGE_KEYS = frozenset({"role", "content"})
+
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""The smallest temperature that is sampled; any temperature below it is greedy decoding.
+
+Sampling divides the float32 logits by the temperature: a tiny one (``1e-300`` is 0 in
+float32) makes them infinite and the probabilities NaN. At 1e-5 a logit gap of 0.001
+already weighs the runner-up by ``exp(-100)``, so greedy is that limit, not a change of
+meaning (``transport/PROTOCOL.md`` 11.3)."""
+
+
+def sampling_temperature(temperature: float) -> float:
+    """``temperature``, or 0.0 (greedy) when it is below :data:`MIN_SAMPLING_TEMPERATURE`."""
+    return 0.0 if temperature < MIN_SAMPLING_TEMPERATURE else temperature
 
 GENERATE_FIELDS: frozenset[str] = frozenset(
     {
@@ -171,7 +186,8 @@ def parse_generate(
     bad field. Checks: a map; no unknown field; exactly one of ``prompt`` (non-empty str
     of at most ``max_prompt_chars`` characters) / ``messages`` / ``prompt_ids`` (ids in
     ``[0, vocab_size)``, fewer than ``context_length``); ``max_tokens`` an int in
-    ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``; ``top_p`` in ``(0, 1]``;
+    ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``
+    (below :data:`MIN_SAMPLING_TEMPERATURE` it becomes 0, greedy); ``top_p`` in ``(0, 1]``;
     ``top_k`` None or an int ``>= 1``; ``seed`` None or an int in ``[0, 2**63)``;
     ``stop_token_ids`` ids in the vocabulary; ``stop`` a string or a list of at most 16
     non-empty strings of at most 256 characters; ``speculate`` one of tree/chain/none."""
@@ -219,6 +235,7 @@ def parse_generate(
     temperature = _number(body, "temperature", 0.0)
     if temperature < 0:
         raise InvalidRequest(f"'temperature' must be >= 0 (0 = greedy), got {temperature}")
+    temperature = sampling_temperature(temperature)
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}")

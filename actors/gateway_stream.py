@@ -5,6 +5,7 @@ go out through the ``send_item`` callback the gateway passes in."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -13,7 +14,9 @@ from typing import Any, cast
 from treeserve.actors.gateway_config import TokenizerLike
 from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
+from treeserve.runtime.errors import ActorError
 from treeserve.runtime.ref import ActorRef
+from treeserve.transport.wire import ErrorCode
 
 __all__ = ["STAT_KEYS", "StopMatcher", "prompt_ids_for", "relay_generation", "scheduler_body"]
 
@@ -123,6 +126,9 @@ async def relay_generation(
     tokenizer: TokenizerLike,
     send_item: Callable[[dict[str, Any]], Awaitable[None]],
     stop: Sequence[str] = (),
+    *,
+    timeout_s: float | None = None,
+    item_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run ``scheduler.generate(body)``, passing ``{"text", "token_ids"}`` items to
     ``send_item`` (text never splits a UTF-8 character; special tokens give no text),
@@ -133,16 +139,33 @@ async def relay_generation(
     one to appear ends the generation: the text stops right before it, ``token_ids`` end with
     the token that completed it, ``finish_reason`` is ``"stop"`` and ``matched_stop`` names
     it. The scheduler is asked to ``finish`` the request (freeing its row at once); tokens it
-    accepted meanwhile are dropped."""
+    accepted meanwhile are dropped.
+
+    Waits are bounded: ``timeout_s`` (the request's deadline, None: none) travels with the
+    scheduler call, and each wait for the scheduler's next item is bounded by
+    ``item_timeout_s`` (the scheduler yields an empty keepalive item well within its step
+    timeout, so silence past it means the scheduler is stuck): then the generation fails
+    with a non-retryable ``internal`` ``ActorError``."""
     detok = IncrementalDetokenizer(cast(Tokenizer, tokenizer), skip_special_tokens=True)
     matcher = StopMatcher(stop) if stop else None
     pieces: list[str] = []
     token_ids: list[int] = []
     final: dict[str, Any] | None = None
     # ask_stream is an async generator: closing it cancels the scheduler's stream.
-    items = cast(AsyncGenerator[Any, None], scheduler.ask_stream("generate", body, timeout=None))
+    items = cast(AsyncGenerator[Any, None], scheduler.ask_stream("generate", body, timeout=timeout_s))
     async with contextlib.aclosing(items):
-        async for item in items:
+        while True:
+            wait = asyncio.timeout(item_timeout_s)
+            try:
+                async with wait:
+                    item = await anext(items)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                if not wait.expired():
+                    raise  # the scheduler's own deadline error
+                raise ActorError(f"the scheduler sent nothing for {item_timeout_s}s (it sends a keepalive "
+                                 "well within that): it is stuck", code=ErrorCode.INTERNAL) from None
             if not isinstance(item, dict):
                 raise TypeError(f"scheduler yielded a {type(item).__name__}, expected a map")
             if item.get("done") is True:

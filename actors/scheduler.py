@@ -18,9 +18,23 @@ Memory therefore never runs out mid-generation, so nothing is preempted.
 
 Faults: a speculator that fails is skipped for that step (its requests go on with the other
 speculators, or without speculation) and gets the full token history on its next proposal so
-a restarted speculator can rebuild its state. A verifier shard that fails ends every running
+a restarted speculator can rebuild its state. A verifier shard that dies ends every running
 request with a retryable ``unavailable`` error (their KV rows are gone with the shard) — no
-consumer ever hangs; the supervisor restarts the shards and new requests are served again.
+consumer ever hangs; the supervisor restarts the shards and new requests are served again. A
+shard that answers with an error of its own (a bug, not a death) ends them with a
+non-retryable ``internal`` error: the same step would fail again. A row the verifier could not
+verify (non-finite logits: a numerical failure of that request alone) ends that request with a
+non-retryable ``internal`` error; the other rows of the step go on.
+
+Anything else that goes wrong in a step (a malformed or mismatched reply from a speculator or
+a verifier, a tree that does not decode, a bug) is logged with its traceback and fails every
+open request with a non-retryable ``internal`` error at once; the scheduler then resets its
+rows and queue and goes on serving new requests. If even that recovery fails, the step loop
+(a task owned by the actor) dies and the actor's ``LocalSupervisor`` restarts the scheduler.
+
+Liveness: a ``generate`` stream that has nothing to send for ``keepalive_s`` (queued, or a long
+step) yields an empty ``{"token_ids": []}`` item while the step loop runs, so a consumer can
+bound its wait for the next item by ``step_timeout_s`` (the gateway does).
 """
 
 from __future__ import annotations
@@ -30,12 +44,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from treeserve.actors.gateway_request import sampling_temperature
 from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
 from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
 from treeserve.ops.drafting import split_node_budget
@@ -61,6 +76,21 @@ class ServiceUnavailable(ActorError):
     """The verifier failed while the request ran; retrying the request may succeed."""
 
     default_code = ErrorCode.UNAVAILABLE
+
+
+class SchedulerFault(ActorError):
+    """A request ended by a fault that retrying would meet again: a bug or a malformed reply
+    in the scheduler's step, or a numerical failure in the request's own row."""
+
+    default_code = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
+class MalformedReply(RuntimeError):
+    """A speculator or verifier answered something the scheduler cannot use (wrong rows,
+    missing fields): a bug on one side, handled like any unexpected step failure."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,12 @@ class SchedulerConfig:
     def make_policy(self) -> SchedulingPolicy:
         """A fresh policy object of the configured kind."""
         return make_policy(self.policy, **self._policy_options())
+
+    @property
+    def keepalive_s(self) -> float:
+        """How long a ``generate`` stream stays silent before it yields an empty keepalive item
+        (a quarter of ``step_timeout_s``, the bound a consumer may put on its wait)."""
+        return self.step_timeout_s / 4
 
     @property
     def uses_predictions(self) -> bool:
@@ -158,6 +194,23 @@ def _prefill_chunks(requests: list[_Request], max_tokens: int) -> list[list[_Req
     return chunks
 
 
+def _require(entry: Any, keys: Sequence[str], method: str) -> None:
+    missing = [k for k in keys if k not in entry]
+    if missing:
+        raise MalformedReply(f"verifier {method} reply row {entry.get('row')!r} lacks {missing}")
+
+
+def _reply_rows(reply: Any, rows: Sequence[int | None], method: str) -> list[dict[str, Any]]:
+    """The verifier's per-row answers to ``method``, checked to name exactly ``rows`` in order."""
+    entries = reply.get("rows") if isinstance(reply, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise MalformedReply(f"verifier {method} reply has no list of row maps 'rows'")
+    answered = [e.get("row") for e in entries]
+    if answered != list(rows):
+        raise MalformedReply(f"verifier answered {method} for rows {answered}, asked for rows {list(rows)}")
+    return entries
+
+
 def _int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidRequest(f"{what} must be a list of integers")
@@ -201,11 +254,12 @@ class SchedulerActor(Actor):
         self._running: dict[str, _Request] = {}
         self._free_rows = list(range(config.num_rows))
         self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop_task: asyncio.Task[Any] | None = None
         self._ids = itertools.count()
         self._counters = {"num_steps": 0, "num_completed": 0, "num_cancelled": 0, "num_failed": 0,
                           "num_speculator_failures": 0, "num_verifier_failures": 0,
-                          "num_predicted": 0, "num_predictor_failures": 0, "num_prefill_calls": 0}
+                          "num_predicted": 0, "num_predictor_failures": 0, "num_prefill_calls": 0,
+                          "num_step_faults": 0, "num_row_failures": 0}
         self._timers = {"propose_s": 0.0, "verify_s": 0.0}  # wall time spent in each phase of the steps
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and self.speculators:
@@ -213,15 +267,10 @@ class SchedulerActor(Actor):
             self._adaptive = AdaptiveSpeculation(AdaptiveConfig(candidates=candidates))
 
     async def on_start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="scheduler-step-loop")
+        self._loop_task = self.tasks.start(self._run(), "step-loop")
 
     async def on_stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        await self.tasks.aclose(timeout_s=5.0)  # the step loop first: nothing may run after the failures below
         for req in list(self._requests.values()):
             self._fail(req, ServiceUnavailable("the scheduler is shutting down"))
 
@@ -246,7 +295,14 @@ class SchedulerActor(Actor):
         self._wake.set()
         try:
             while True:
-                item = await req.outbox.get()
+                try:
+                    async with asyncio.timeout(self.config.keepalive_s):
+                        item = await req.outbox.get()
+                except TimeoutError:
+                    if self._loop_task is None or self._loop_task.done():
+                        raise SchedulerFault("the scheduler's step loop is not running") from None
+                    yield {"token_ids": []}  # keepalive: queued, or in a long step
+                    continue
                 if isinstance(item, ActorError):
                     raise item
                 yield item
@@ -339,6 +395,9 @@ class SchedulerActor(Actor):
             params = params_from_wire(body.get("params") or {})
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        # The one temperature rule (transport/PROTOCOL.md 11.3): below the smallest sampling
+        # temperature is greedy, so no row's scaled logits can overflow.
+        params = replace(params, temperature=sampling_temperature(params.temperature))
         speculate = body.get("speculate", "tree")
         if speculate not in SPECULATE_MODES:
             raise InvalidRequest(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
@@ -358,15 +417,38 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
         while True:
-            await self._reap_cancelled()
-            await self._reap_stopped()
-            await self._admit()
-            if not self._running:
-                self._wake.clear()
-                if len(self._policy) == 0 or not self._free_rows:
-                    await self._wake.wait()
-                continue
-            await self._step()
+            try:
+                await self._run_once()
+            except Exception as exc:  # noqa: BLE001 - nobody may wait on a step that failed
+                await self._recover(exc)
+
+    async def _run_once(self) -> None:
+        await self._reap_cancelled()
+        await self._reap_stopped()
+        await self._admit()
+        if not self._running:
+            self._wake.clear()
+            if len(self._policy) == 0 or not self._free_rows:
+                await self._wake.wait()
+            return
+        await self._step()
+
+    async def _recover(self, exc: Exception) -> None:
+        """After an unexpected step failure: fail every open request at once (non-retryable
+        ``internal``), then release their rows and reset the queue, so the next request starts
+        from a clean state. An exception out of here ends the loop: the supervisor restarts us."""
+        self._counters["num_step_faults"] += 1
+        log.error("scheduler step failed; failing %d open requests", len(self._requests), exc_info=exc)
+        error = SchedulerFault(f"internal error in the scheduler, the request was ended: {type(exc).__name__}: {exc}")
+        running = list(self._running.values())
+        for req in list(self._requests.values()):
+            self._counters["num_failed"] += 1
+            self._fail(req, error)
+        self._policy = self.config.make_policy()
+        for req in running:
+            if not await self._release_resources(req):
+                break  # the shards are gone: every row is free again anyway
+        self._free_rows = list(range(self.config.num_rows))
 
     async def _reap_cancelled(self) -> None:
         for req in [r for r in self._running.values() if r.is_cancelled]:
@@ -403,9 +485,7 @@ class SchedulerActor(Actor):
                 except ActorError as exc:
                     self._on_verifier_failure(exc)  # fails every running request, this whole pick included
                     return
-                for req, entry in zip(chunk, reply["rows"]):
-                    if entry["row"] != req.row:
-                        raise RuntimeError(f"verifier prefilled row {entry['row']} for request in row {req.row}")
+                for req, entry in zip(chunk, _reply_rows(reply, [r.row for r in chunk], "prefill")):
                     if "states" in entry:
                         self._add_states(req, entry["states"])
                 await asyncio.gather(*(self._start_speculators(req) for req in chunk))
@@ -444,6 +524,10 @@ class SchedulerActor(Actor):
             self._on_verifier_failure(exc)
             return
         verified = time.perf_counter()
+        results = _reply_rows(reply, [r.row for r in batch], "step")
+        for result in results:
+            if "error" not in result:
+                _require(result, ("accepted", "new_tokens", *(("states",) if wants_states else ())), "step")
         self._counters["num_steps"] += 1
         self._timers["propose_s"] += proposed - started
         self._timers["verify_s"] += verified - proposed
@@ -451,15 +535,21 @@ class SchedulerActor(Actor):
             try:
                 adaptive.observe(
                     num_rows=len(batch), budget=budget, nodes_per_row=[t.num_nodes for t in trees],
-                    accepted_per_row=[len(r["accepted"]) - 1 for r in reply["rows"]],
+                    accepted_per_row=[len(r["accepted"]) - 1 if "accepted" in r else 0 for r in results],
                     verify_s=verified - proposed, propose_s=proposed - started,
                 )
             except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
                 log.warning("adaptive speculation ignored a step: %s", exc)
         now = self.clock()
-        for req, result in zip(batch, reply["rows"]):
-            if result["row"] != req.row:
-                raise RuntimeError(f"verifier answered row {result['row']} for request in row {req.row}")
+        for req, result in zip(batch, results):
+            if "error" in result:  # a numerical failure in this row alone: end this request only
+                self._counters["num_row_failures"] += 1
+                self._counters["num_failed"] += 1
+                log.warning("request %s failed in its verifier row: %s", req.request_id, result["error"])
+                req.is_done = True
+                req.outbox.put_nowait(SchedulerFault(f"the verifier could not verify this request: {result['error']}"))
+                await self._release(req)
+                continue
             new_tokens = [int(t) for t in result["new_tokens"]]
             taken, finish = emit_until_done(req.emitted, new_tokens, req.params)
             req.accepted_per_step.append(len(result["accepted"]) - 1)
@@ -507,6 +597,11 @@ class SchedulerActor(Actor):
                 if isinstance(result, BaseException):
                     self._on_speculator_failure(index, result)
                     continue
+                if not isinstance(result, dict) or not isinstance(result.get("trees"), list):
+                    raise MalformedReply(f"speculator {index} answered propose without a list 'trees'")
+                if len(result["trees"]) != len(speculating):
+                    raise MalformedReply(f"speculator {index} answered {len(result['trees'])} trees "
+                                         f"for {len(speculating)} requests")
                 missing = set(result.get("missing", ()))
                 for req, wire in zip(speculating, result["trees"]):
                     if req.request_id in missing:
@@ -572,21 +667,27 @@ class SchedulerActor(Actor):
     async def _release(self, req: _Request) -> None:
         self._running.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
+        row = req.row
+        if await self._release_resources(req) and row is not None:
+            self._free_rows.append(row)
+
+    async def _release_resources(self, req: _Request) -> bool:
+        """Free ``req``'s verifier row and speculator state; False if the shards failed."""
         if req.row is None:
-            return
+            return True
         row, req.row = req.row, None
         try:
             await self._all_shards("release", {"row": row, "request_id": req.request_id})
         except ActorError as exc:
             self._on_verifier_failure(exc)
-            return
-        self._free_rows.append(row)
+            return False
         if req.speculate != "none":
             await asyncio.gather(
                 *(s.ask("release", {"request_id": req.request_id}, timeout=self.config.step_timeout_s)
                   for s in self.speculators),
                 return_exceptions=True,
             )
+        return True
 
     def _fail(self, req: _Request, error: ActorError) -> None:
         req.is_done = True
@@ -603,26 +704,39 @@ class SchedulerActor(Actor):
             req.needs_history.add(index)
 
     def _on_verifier_failure(self, exc: ActorError) -> None:
-        """Every running request loses its KV rows with the shard: fail them, retryably."""
+        """Every running request loses its KV rows with the shard: fail them. Retryably when
+        the shard died, timed out or was unreachable (a restarted one may serve the retry);
+        not when it answered an error of its own (the same step would fail again)."""
         self._counters["num_verifier_failures"] += 1
         log.warning("verifier step failed (%s); failing %d running requests", exc, len(self._running))
+        message = f"the verifier failed during the request: {exc.message}"
+        error: ActorError
+        if exc.retryable or exc.code is ErrorCode.DEADLINE_EXCEEDED:
+            error = ServiceUnavailable(message, retryable=True)
+        else:
+            error = SchedulerFault(message)
         for req in list(self._running.values()):
             self._counters["num_failed"] += 1
-            self._fail(req, ServiceUnavailable(f"the verifier failed during the request: {exc.message}", retryable=True))
+            self._fail(req, error)
         self._free_rows = list(range(self.config.num_rows))
 
     async def _all_shards(self, method: str, body: dict[str, Any]) -> Any:
-        """Send one call to every verifier shard (rank order) and return rank 0's reply."""
+        """Send one call to every verifier shard (rank order) and return rank 0's reply. When
+        shards fail, a retryable error (a dead rank) wins over the errors it caused in the
+        others (a broken collective), so the failure is judged by its cause."""
         results = await asyncio.gather(
             *(v.ask(method, body, timeout=self.config.step_timeout_s) for v in self.verifiers),
             return_exceptions=True,
         )
+        errors: list[ActorError] = []
         for result in results:
             if isinstance(result, asyncio.CancelledError):
                 raise result
             if isinstance(result, ActorError):
-                raise result
-            if isinstance(result, BaseException):
-                raise ActorError(f"{type(result).__name__}: {result}", code=ErrorCode.INTERNAL)
+                errors.append(result)
+            elif isinstance(result, BaseException):
+                errors.append(ActorError(f"{type(result).__name__}: {result}", code=ErrorCode.INTERNAL))
+        if errors:
+            raise next((e for e in errors if e.retryable), errors[0])
         return results[0]
 

@@ -10,6 +10,10 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
 * ``step {"rows": [{"row", "tree", "params", "request_id"}]}`` -> ``{"rows": [{"row", "accepted",
   "bonus_token", "new_tokens"}]}``: one batched forward per compact block of rows
   (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
+  A row that fails numerically (non-finite logits or probabilities) answers ``{"row", "error": str}`` instead and commits only its root; the other rows of the
+  step are unaffected. The caller should end that request and ``release`` its row; the row's
+  cache is then zeroed (attention reads masked slots too, and ``0 * NaN`` would carry a stale
+  NaN into the row's next request).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
 Rank agreement: only rank 0 verifies (it holds the per-request ``torch.Generator``, seeded from
@@ -177,6 +181,12 @@ class SerialOffload:
             await asyncio.wait([self._last])
 
 
+def _zero_row(cache: KVCache, row: int) -> None:
+    cache.reset_row(row)
+    for tensor in (*cache.keys, *cache.values):  # (B, n_kv, capacity, hd) each
+        tensor[row].zero_()
+
+
 def _consume_exception(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # marks it retrieved when its caller was cancelled
@@ -194,6 +204,7 @@ class VerifierShard(Actor):
         self._generators: dict[str, torch.Generator] = {}
         self._setup: asyncio.Future[None] | None = None
         self._has_group = False
+        self._rows_to_scrub: set[int] = set()  # rows whose cache may hold non-finite values
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -308,6 +319,8 @@ class VerifierShard(Actor):
                 )
             jobs.append((self._row(entry["row"]), list(prompt[:-1])))
             wants.append(entry.get("return_states") is True)
+        for row, _ in jobs:
+            await self._scrub_if_needed(cache, row)
         results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
         rows: list[dict[str, Any]] = []
         for (row, _), (length, states), want in zip(jobs, results, wants):
@@ -337,18 +350,22 @@ class VerifierShard(Actor):
             params = params_from_wire(entry["params"])
             steps.append(RowStep(self._row(entry["row"]), tree, params, self._generator_for(request_id, params)))
         want_states = body.get("return_states") is True
-        results, states = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
-        rows = [
-            {
+        results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
+        self._rows_to_scrub.update(failures)
+        rows: list[dict[str, Any]] = []
+        for index, (step, result) in enumerate(zip(steps, results)):
+            if step.row in failures:
+                rows.append({"row": step.row, "error": failures[step.row]})
+                continue
+            row: dict[str, Any] = {
                 "row": step.row,
                 "accepted": list(result.accepted),
                 "bonus_token": result.bonus_token,
                 "new_tokens": result.new_tokens(step.tree),
             }
-            for step, result in zip(steps, results)
-        ]
-        for row, row_states in zip(rows, states):
-            row["states"] = row_states.float().cpu().contiguous()
+            if want_states:
+                row["states"] = states[index].float().cpu().contiguous()
+            rows.append(row)
         return {"rows": rows}
 
     @handler
@@ -359,6 +376,14 @@ class VerifierShard(Actor):
         row = self._row(body["row"])
         self._generators.pop(str(body["request_id"]), None)
         await self._offload.run(cache.reset_row, row)
+        await self._scrub_if_needed(cache, row)
+
+    async def _scrub_if_needed(self, cache: KVCache, row: int) -> None:
+        """Zero the cache of a row that failed numerically (once): its next request must not
+        read a stale NaN through attention's masked slots."""
+        if row in self._rows_to_scrub:
+            self._rows_to_scrub.discard(row)
+            await self._offload.run(_zero_row, cache, row)
 
     # ------------------------------------------------------------------ helpers
     def _row(self, value: Any) -> int:
@@ -377,13 +402,60 @@ class VerifierShard(Actor):
 
     def _verify_rows(
         self, model: Transformer, cache: KVCache, steps: list[RowStep], want_states: bool
-    ) -> tuple[list[VerifyResult], list[Tensor]]:
-        verifier: VerifyFn = verify
+    ) -> tuple[list[VerifyResult], list[Tensor], dict[int, str]]:
+        """Results and states per step, and the rows whose verification failed (row -> why)."""
+        verifier: VerifyFn = row_checked_verifier(verify)
         if self.config.tp_size > 1:
-            verifier = rank0_broadcast_verifier(self.config.tp_rank, cache.device if self.config.device != "cpu" else None)
+            device = cache.device if self.config.device != "cpu" else None
+            verifier = rank0_broadcast_verifier(self.config.tp_rank, device, inner=verifier)
+        guarded = _RowGuard(verifier, steps)
         if want_states:
-            return verify_rows_with_states(model, cache, steps, verifier=verifier)
-        return verify_rows(model, cache, steps, verifier=verifier), []
+            results, states = verify_rows_with_states(model, cache, steps, verifier=guarded)
+        else:
+            results, states = verify_rows(model, cache, steps, verifier=guarded), []
+        return results, states, guarded.failures
+
+
+class RowVerificationFailed(VerificationError):
+    """One row's verification failed on its own numbers (non-finite logits or probabilities)."""
+
+
+def row_checked_verifier(inner: VerifyFn) -> VerifyFn:
+    """``inner``, refusing non-finite logits and turning torch's numerical errors (such as
+    ``probability tensor contains either inf, nan or element < 0``) into
+    :class:`RowVerificationFailed`, so they stay the failure of one row. On tensor-parallel
+    ranks it runs inside rank 0's verifier, whose decision (failure included) is broadcast."""
+
+    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> VerifyResult:
+        if not bool(torch.isfinite(logits).all()):
+            raise RowVerificationFailed("numerical failure: the model's logits for this request are not finite")
+        try:
+            return inner(tree, logits, params, generator)
+        except RuntimeError as exc:
+            raise RowVerificationFailed(f"numerical failure: {exc}") from exc
+
+    return verifier
+
+
+class _RowGuard:
+    """A verifier for one ``verify_rows`` call that records a row's ``RowVerificationFailed``
+    instead of raising it (other errors, such as an inconsistent draft, still fail the call): that row keeps only its root (committed like an accepted path of
+    length one), every other row goes on. Rows are known by their step's tree object."""
+
+    def __init__(self, inner: VerifyFn, steps: list[RowStep]) -> None:
+        self.failures: dict[int, str] = {}
+        self._inner = inner
+        self._row_of = {id(step.tree): step.row for step in steps}
+
+    def __call__(self, tree: TokenTree, logits: Tensor, params: SamplingParams,
+                 generator: torch.Generator | None) -> VerifyResult:
+        try:
+            return self._inner(tree, logits, params, generator)
+        except RowVerificationFailed as exc:
+            row = self._row_of[id(tree)]
+            _log.warning("verifier row %d failed: %s", row, exc)
+            self.failures[row] = str(exc)
+            return VerifyResult([0], int(tree.tokens[0]))
 
 
 def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: VerifyFn = verify) -> VerifyFn:
@@ -391,7 +463,9 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
 
     The decision travels as int64 ``[num_accepted, bonus_token, accepted...]`` sized by the tree
     (known to every rank); ``num_accepted == 0`` (impossible for a real result: the root is
-    always accepted) tells the other ranks that rank 0's verification raised, so they raise too.
+    always accepted) tells the other ranks that rank 0's verification raised, so they raise too,
+    a :class:`RowVerificationFailed` when the bonus slot is 1 (rank 0's was one: a row-local
+    numerical failure), else a ``VerificationError``.
     ``device`` is where the buffer lives (the CUDA device with NCCL; None for gloo on the CPU).
     """
     import torch.distributed as dist
@@ -407,16 +481,27 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
                 decision[2 : 2 + len(result.accepted)] = torch.tensor(result.accepted, dtype=torch.long)
             except Exception as exc:  # broadcast the failure first, then raise it
                 failure = exc
+                decision[1] = int(isinstance(exc, RowVerificationFailed))
         buffer = decision if device is None else decision.to(device)
         dist.broadcast(buffer, src=0)
         values = buffer.cpu().tolist()
         if failure is not None:
             raise failure
         if values[0] == 0:
+            if values[1] == 1:
+                raise RowVerificationFailed("numerical failure on rank 0")
             raise VerificationError("verification failed on rank 0")
         return VerifyResult(values[2 : 2 + values[0]], values[1])
 
     return verifier
 
 
-__all__ = ["DTYPES", "SerialOffload", "VerifierConfig", "VerifierShard", "rank0_broadcast_verifier"]
+__all__ = [
+    "DTYPES",
+    "RowVerificationFailed",
+    "SerialOffload",
+    "VerifierConfig",
+    "VerifierShard",
+    "rank0_broadcast_verifier",
+    "row_checked_verifier",
+]

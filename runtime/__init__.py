@@ -44,6 +44,7 @@ from treeserve.runtime.errors import (
     RuntimeClosedError,
     SupervisorGaveUp,
 )
+from treeserve.runtime.local_supervisor import LocalSupervisor
 from treeserve.runtime.node import Node
 from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.restart import RestartIntensity
@@ -62,6 +63,7 @@ __all__ = [
     "ChildTransport",
     "DeadlineExceeded",
     "HandlerKind",
+    "LocalSupervisor",
     "NoSuchActor",
     "NoSuchMethod",
     "Node",

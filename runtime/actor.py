@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from treeserve.runtime.tasks import TaskOwner
+
 if TYPE_CHECKING:
     from treeserve.runtime.node import Node
     from treeserve.runtime.ref import ActorRef
@@ -72,8 +74,14 @@ class Actor:
     The runtime runs at most ``max_concurrency`` messages of one actor at a time
     (default 1: handlers never interleave, so actor state needs no locks) and queues at
     most ``mailbox_size`` more (None: the runtime's default); a message arriving at a
-    full mailbox is refused with ``OverloadedError``. ``self.ref`` and ``self.node`` are
-    available from ``on_start`` on.
+    full mailbox is refused with ``OverloadedError``. ``self.ref``, ``self.node`` and
+    ``self.tasks`` are available from ``on_start`` on.
+
+    Background work (a step loop, a receive loop) is started with ``self.tasks.start``:
+    the runtime cancels and awaits those tasks when the actor stops (after ``on_stop``),
+    and a task that dies of an exception is logged and reported to the actor's
+    supervisor, which restarts the actor (``LocalSupervisor``); never use a bare
+    ``asyncio.create_task``.
     """
 
     max_concurrency: ClassVar[int] = 1
@@ -82,6 +90,7 @@ class Actor:
 
     _ref: ActorRef | None = None
     _node: Node | None = None
+    _tasks: TaskOwner | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -98,10 +107,19 @@ class Actor:
                     del table[name]  # overridden by a non-handler
         cls.handlers = table
 
-    def attach(self, node: Node, ref: ActorRef) -> None:
-        """Called by the runtime before ``on_start``; binds the actor to its node."""
+    def attach(self, node: Node, ref: ActorRef, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Called by the runtime before ``on_start``; binds the actor to its node.
+        ``on_failure`` hears of every owned task that dies of an exception."""
         self._node = node
         self._ref = ref
+        self._tasks = TaskOwner(f"actor:{ref.name}", on_failure)
+
+    @property
+    def tasks(self) -> TaskOwner:
+        """The owner of this actor's background tasks (closed when the actor stops)."""
+        if self._tasks is None:
+            raise RuntimeError(f"{type(self).__qualname__} is not attached to a runtime yet")
+        return self._tasks
 
     @property
     def ref(self) -> ActorRef:

@@ -51,7 +51,11 @@ class ActorCell:
 
     async def start(self) -> None:
         """Run ``on_start`` then start the workers (owned by the node)."""
-        await self.actor.on_start()
+        try:
+            await self.actor.on_start()
+        except BaseException:
+            await self.actor.tasks.aclose(1.0)  # what on_start began dies with the failed start
+            raise
         self.is_alive = True
         for i, worker in enumerate(self._workers):
             worker.task = self._node.tasks.start(self._work(worker), f"actor:{self.name}:{i}")
@@ -164,11 +168,15 @@ class ActorCell:
         if not self.is_alive:
             return
         self.is_alive = False
-        tasks = [w.task for w in self._workers if w.task is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
+        # Workers running a handler first: their callers hear of the stop before the (maybe
+        # tens of thousands of) idle workers are cancelled.
+        busy = [w.task for w in self._workers if w.task is not None and w.current is not None]
+        idle = [w.task for w in self._workers if w.task is not None and w.current is None]
+        for tasks in (busy, idle):
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout_s)
         while not self._queue.empty():
             env = self._queue.get_nowait()
             env.state = EnvelopeState.FINISHED
@@ -180,3 +188,5 @@ class ActorCell:
             _log.warning("actor %r: on_stop did not finish within %.1fs", self.name, timeout_s)
         except Exception:
             _log.exception("actor %r: on_stop failed", self.name)
+        # Whatever on_stop left running of the actor's own tasks ends with it.
+        await self.actor.tasks.aclose(timeout_s)

@@ -127,15 +127,23 @@ class Node:
 
     # ------------------------------------------------------------------ hosting
 
-    async def host(self, name: str, actor: Actor, mailbox_size: int | None = None) -> ActorRef:
-        """Register ``actor`` as ``name``, run its ``on_start`` and start serving it."""
+    async def host(
+        self,
+        name: str,
+        actor: Actor,
+        mailbox_size: int | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> ActorRef:
+        """Register ``actor`` as ``name``, run its ``on_start`` and start serving it.
+        ``on_failure`` hears of every task owned by the actor that dies of an exception
+        (its supervisor's restart hook)."""
         if self._is_closed:
             raise RuntimeClosedError("runtime closed")
         if name in self._cells:
             raise ValueError(f"an actor named {name!r} already runs on this node")
         size = mailbox_size or type(actor).mailbox_size or self._mailbox_size
         ref = self.ref(ActorAddress(self._endpoint, name))
-        actor.attach(self, ref)
+        actor.attach(self, ref, on_failure)
         cell = ActorCell(self, name, actor, size)
         self._cells[name] = cell  # reserve the name while on_start runs
         try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -18,8 +16,10 @@ import zmq.asyncio
 from treeserve.runtime.actor import Actor, handler
 from treeserve.runtime.config import ChildTransport, RuntimeConfig, SupervisorConfig
 from treeserve.runtime.errors import RuntimeClosedError, SupervisorGaveUp
+from treeserve.runtime.local_supervisor import LocalSupervisor
 from treeserve.runtime.node import Node
 from treeserve.runtime.ref import ActorRef
+from treeserve.runtime.socket_dirs import SocketDir
 from treeserve.runtime.supervisor import ChildSpec, Supervisor
 from treeserve.runtime.tasks import TaskOwner
 from treeserve.transport.messages import ActorAddress, Heartbeat
@@ -70,8 +70,9 @@ class Runtime:
         self.config = config if config is not None else RuntimeConfig()
         self._ctx: zmq.asyncio.Context | None = None
         self._node: Node | None = None
-        self._tmpdir: str | None = None
+        self._socket_dir: SocketDir | None = None
         self._supervisors: list[Supervisor] = []
+        self._local_supervisors: list[LocalSupervisor] = []
         self._root: Supervisor | None = None
         self._tasks = TaskOwner("runtime")
         self._child_names: set[str] = set()
@@ -136,6 +137,8 @@ class Runtime:
         try:
             async with asyncio.timeout(timeout_s):
                 await self._tasks.aclose(timeout_s)
+                for local in self._local_supervisors:  # no restart may race the node's shutdown
+                    await local.aclose(timeout_s / 4)
                 for sup in reversed(self._supervisors):
                     await sup.aclose(timeout_s / 2)
                 if self._node is not None:
@@ -147,8 +150,8 @@ class Runtime:
                 sup.kill_now()
             if self._ctx is not None:
                 self._ctx.destroy(linger=0)
-            if self._tmpdir is not None:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            if self._socket_dir is not None:
+                self._socket_dir.remove()
             self._closing.set_result(None)
 
     # ------------------------------------------------------------------ actors
@@ -227,6 +230,23 @@ class Runtime:
         self._supervisors.append(sup)
         return sup
 
+    def local_supervisor(
+        self,
+        config: SupervisorConfig,
+        *,
+        name: str = "local-supervisor",
+        clock: Callable[[], float] = time.monotonic,
+        on_give_up: Callable[[SupervisorGaveUp], None] | None = None,
+    ) -> LocalSupervisor:
+        """A new supervisor of actors in this process (``max_restarts`` within ``within_s``
+        of ``config``), owned (and closed) by this runtime."""
+        if self._is_closed:
+            raise RuntimeClosedError("runtime closed")
+        sup = LocalSupervisor(self.node, max_restarts=config.max_restarts, within_s=config.within_s, name=name,
+                              stop_timeout_s=self.config.close_timeout_s, clock=clock, on_give_up=on_give_up)
+        self._local_supervisors.append(sup)
+        return sup
+
     def _root_supervisor(self) -> Supervisor:
         if self._root is None:
             self._root = self.supervisor(self.config.supervisor, name="root-supervisor")
@@ -241,10 +261,11 @@ class Runtime:
         return f"ipc://{self._ensure_tmpdir()}/{next(self._child_ids)}.sock"
 
     def _ensure_tmpdir(self) -> str:
-        # Created on first need only: a SIGKILLed process cannot clean it up.
-        if self._tmpdir is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="ts-")
-        return self._tmpdir
+        # Created on first need only (runtime/socket_dirs.py: removed on every exit that
+        # runs code; a SIGKILLed owner's folder is removed when the next one is created).
+        if self._socket_dir is None:
+            self._socket_dir = SocketDir.create()
+        return self._socket_dir.path
 
     def on_child_ready(self, node_name: str, endpoint: str) -> bool:
         """A child process reports it serves; routed to its supervisor."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 __all__ = ["TaskOwner"]
@@ -18,11 +18,14 @@ class TaskOwner:
     Every task started with ``start`` is cancelled and awaited by ``aclose`` (idempotent,
     bounded by ``timeout_s``); a task that dies with an exception is logged, not lost.
     Unlike a ``TaskGroup``, one failing task does not cancel its siblings: a node must
-    keep serving other peers when one connection's task fails.
+    keep serving other peers when one connection's task fails. ``on_failure`` (optional)
+    is called with the exception of every task that dies of one (not of a cancel), after
+    it is logged: an actor's supervisor uses it to restart the actor.
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, on_failure: Callable[[BaseException], None] | None = None) -> None:
         self._owner = owner
+        self._on_failure = on_failure
         self._tasks: set[asyncio.Task[Any]] = set()
         self._is_closed = False
 
@@ -38,8 +41,17 @@ class TaskOwner:
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            _log.error("%s: task %s failed", self._owner, task.get_name(), exc_info=task.exception())
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        _log.error("%s: task %s failed", self._owner, task.get_name(), exc_info=exc)
+        if self._on_failure is not None and not self._is_closed:
+            try:
+                self._on_failure(exc)
+            except Exception:  # a broken callback must not hide the task's own failure
+                _log.exception("%s: on_failure callback failed", self._owner)
 
     async def aclose(self, timeout_s: float) -> None:
         """Cancel every owned task and wait up to ``timeout_s`` for them to finish."""

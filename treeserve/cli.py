@@ -9,6 +9,8 @@ Subcommands:
 
 Progress goes to stderr; results go to stdout. A user mistake (bad flag value, missing file)
 prints one ``treeserve: error: ...`` line and exits with status 2, without a traceback.
+``serve`` exits with status 1 (and one such line) when the server has failed for good: a
+supervisor gave up restarting a child, so a process manager can restart it.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prefill-tokens", type=int, default=8192,
                        help="prompt tokens per prefill call: requests admitted together share batched forwards")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
+    serve.add_argument("--max-restarts", type=int, default=3,
+                       help="restarts a supervisor makes within 60 s before the server fails and exits with status 1")
     serve.add_argument("--nodes", type=int, default=0, help="wait for this many `treeserve node` hosts to join")
     serve.add_argument("--cluster-bind", default="tcp://127.0.0.1:5556", help="endpoint nodes join")
 
@@ -265,19 +269,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_public_bind=args.allow_public_bind,
         num_nodes=args.nodes,
         cluster_bind=args.cluster_bind,
+        max_restarts=args.max_restarts,
     )
 
-    async def serve() -> None:
+    async def serve() -> list[str]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with Server(config, progress=_progress) as server:
             _progress(f"ready: clients connect to {server.endpoint} (Ctrl-C stops)")
-            await stop.wait()
+            failures = await server.run_until(stop)
             _progress("stopping")
+        return failures
 
-    uvloop.run(serve())
+    failures = uvloop.run(serve())
+    if failures:  # a supervisor gave up: let the process manager restart us
+        print(f"treeserve: error: the server failed: {'; '.join(failures)}", file=sys.stderr)
+        return 1
     return 0
 
 

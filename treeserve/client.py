@@ -298,9 +298,18 @@ class Client:
     # ------------------------------------------------------------------ public calls
 
     async def info(self) -> dict[str, Any]:
-        """The served model: ``model``, ``vocab_size``, ``context_length``, ``eos_ids``..."""
+        """The served model: ``model``, ``vocab_size``, ``context_length``, ``eos_ids``...,
+        and the server's ``status`` (``"ok"`` or ``"failed"``) with its ``failures``."""
+        return await self._unary("info")
+
+    async def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "failed", "failures": [...]}``: ``failed`` once a supervisor of
+        the server gave up (the server will not serve again; restart it)."""
+        return await self._unary("health")
+
+    async def _unary(self, method: str) -> dict[str, Any]:
         timeout = self._timeout if self._timeout is not None else _INFO_TIMEOUT_S
-        msg_id, call = await self._open("info", None, stream=False, timeout=timeout)
+        msg_id, call = await self._open(method, None, stream=False, timeout=timeout)
         try:
             event = await self._next(call)
         finally:

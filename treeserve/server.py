@@ -4,8 +4,16 @@ system inside the caller's running event loop (asyncio or uvloop).
 Placement: the verifier shards (one per tensor-parallel rank, supervised together
 ``one_for_all`` because a TP group cannot survive the loss of one rank) and the speculator
 actors (supervised ``one_for_one``) run in child processes that die with this one. The
-scheduler and the public gateway are light I/O actors and run in this process.
+scheduler and the public gateway are light I/O actors and run in this process; the scheduler
+is supervised too (a ``LocalSupervisor`` restarts it when its step loop dies).
 ``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`.
+
+Giving up: past ``max_restarts`` within ``restart_window_s`` a supervisor stops restarting.
+The server does not then pretend to serve: ``Server.failures`` lists why, the gateway's
+``info`` and ``health`` report ``status: "failed"``, new requests are refused with a
+non-retryable ``unavailable``, and :meth:`Server.run_until` returns. ``treeserve serve`` then
+stops and exits with status 1, so that a process manager restarts it (the server itself does
+not keep retrying).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from treeserve.runtime import (
     Runtime,
     RuntimeConfig,
     SupervisorConfig,
+    SupervisorGaveUp,
 )
 
 DEFAULT_SPECULATORS: tuple[Mapping[str, Any], ...] = (
@@ -194,6 +203,10 @@ class Server:
         self.speculator_supervisor: Any = None
         self.predictor: ActorRef | None = None
         self.predictor_supervisor: Any = None
+        self.scheduler_supervisor: Any = None
+        self.failures: list[str] = []
+        """Why the server can no longer serve: one line per supervisor that gave up (empty: healthy)."""
+        self._failed = asyncio.Event()
         self._closed = False
 
     async def __aenter__(self) -> Server:
@@ -224,6 +237,28 @@ class Server:
     def _report(self, message: str) -> None:
         if self._progress is not None:
             self._progress(message)
+
+    def _on_give_up(self, exc: SupervisorGaveUp) -> None:
+        self.failures.append(exc.message)
+        self._failed.set()
+        self._report(f"failed: {exc.message}")
+
+    async def run_until(self, stop: asyncio.Event) -> list[str]:
+        """Serve until ``stop`` is set or a supervisor gives up; return :attr:`failures`
+        (empty when stopped on request)."""
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._failed.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+        return list(self.failures)
+
+    async def _scheduler_peers(self) -> tuple[list[ActorRef], list[ActorRef]]:
+        """The verifier shards and speculators the scheduler talks to (a seam: fault-injection
+        tests put proxies in between)."""
+        return self.verifiers, self.speculators
 
     async def start(self) -> None:
         from treeserve.actors.gateway import GatewayActor
@@ -265,6 +300,7 @@ class Server:
                 start_timeout_s=cfg.start_timeout_s,
             ),
             name="verifier-supervisor",
+            on_give_up=self._on_give_up,
         )
         dist_init = None
         if cfg.tp > 1:
@@ -287,7 +323,8 @@ class Server:
         speculators = cfg.resolved_speculators()
         if speculators and cfg.num_speculator_actors:
             self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
-            spec_sup = self.speculator_supervisor = rt.supervisor(supervisor_config, name="speculator-supervisor")
+            spec_sup = self.speculator_supervisor = rt.supervisor(
+                supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
             spec_config = {
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
                 "speculators": [dict(s) for s in speculators], "capacity": cfg.row_capacity,
@@ -320,9 +357,11 @@ class Server:
             step_timeout_s=cfg.step_timeout_s,
             max_prefill_tokens=cfg.max_prefill_tokens,
         )
-        self.scheduler = await rt.spawn(
-            SchedulerActor, scheduler_config, self.verifiers, self.speculators, predictor, name="scheduler"
-        )
+        verifiers, speculators_refs = await self._scheduler_peers()
+        self.scheduler_supervisor = rt.local_supervisor(
+            supervisor_config, name="scheduler-supervisor", on_give_up=self._on_give_up)
+        self.scheduler = await self.scheduler_supervisor.start_child(
+            "scheduler", lambda: SchedulerActor(scheduler_config, verifiers, speculators_refs, predictor))
         gateway_config = GatewayConfig(
             bind=cfg.bind,
             model_name=cfg.model,
@@ -330,8 +369,9 @@ class Server:
             vocab_size=int(self.model_info["vocab_size"]),
             max_concurrent_streams=cfg.max_concurrent_streams,
             allow_public_bind=cfg.allow_public_bind,
+            scheduler_timeout_s=cfg.step_timeout_s,
         )
-        gateway = GatewayActor(gateway_config, tokenizer, self.scheduler)
+        gateway = GatewayActor(gateway_config, tokenizer, self.scheduler, failures=lambda: self.failures)
         await rt.node.host("gateway", gateway)
         self._gateway = gateway
         self._report(f"serving on {self.endpoint}")
@@ -358,7 +398,8 @@ class Server:
                              f"{predictor.spec.num_layers} blocks, which model {cfg.model!r} does not give: "
                              "train one for this model (treeserve train-predictor)")
         self._report("starting the length predictor")
-        supervisor = self.predictor_supervisor = self.runtime.supervisor(supervisor_config, name="predictor-supervisor")
+        supervisor = self.predictor_supervisor = self.runtime.supervisor(
+            supervisor_config, name="predictor-supervisor", on_give_up=self._on_give_up)
         config = {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": cfg.device, "predictor": cfg.predictor,
                   "num_threads": 1, "online": cfg.online_predictor}
         self.predictor = await self.runtime.spawn(
