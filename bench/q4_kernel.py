@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from typing import Any
 
 import torch
+from forward import median_seconds  # bench/ is on sys.path when this file runs as a script
 
 from treeserve.ops.formats import Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import q4_amx
@@ -25,14 +24,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def median_us(fn: Any, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, repeats, warmup=5) * 1e6
 
 
 def main() -> None:
