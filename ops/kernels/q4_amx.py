@@ -1,13 +1,13 @@
 """The q4_1 format's many-row kernel: 4-bit group-32 weights times bf16 rows on AMX tiles.
 
 torch's ``_weight_int4pack_mm_for_cpu`` reads 4-bit weights fast for one row, but it computes
-in fp32 FMAs, so a 16-node tree costs about six one-token steps and a 64-row batch twenty. The
+in fp32 FMAs, so 16 rows cost it about six times one row, and 64 rows twenty times. The
 kernel in ``q4_amx.cpp`` multiplies the same codes, scales and zeros for several rows at once:
 a bf16 AMX tile is exactly one group of 32 along K, the codes ``q - 8`` are exact in bf16, and
 each group's partial sum is scaled in fp32, so it computes with the same weight values as the
 one-row kernel (see the C++ header) and differs from it only in float summation order.
 
-The source is compiled once per machine (about 7 s) with the system C++ compiler (``g++``, or
+The source is compiled once per machine (about 10 s) with the system C++ compiler (``g++``, or
 ``$CXX``) against torch's headers, into ``$TREESERVE_CACHE/kernels`` (default
 ``~/.cache/treeserve/kernels``), keyed by the source, flags, compiler and torch version. It
 registers the dispatcher op ``torch.ops.treeserve_q4.mm``, which takes both packings and picks
