@@ -52,7 +52,7 @@ import numpy as np
 from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from treeserve.actors.gateway_request import sampling_temperature
 from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, make_policy
-from treeserve.actors.tree_wire import params_from_wire, params_to_wire, tree_from_wire, tree_to_wire
+from treeserve.actors.tree_wire import params_from_wire, params_to_wire, split_states, tree_from_wire, tree_to_wire
 from treeserve.ops.drafting import split_node_budget
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import FinishReason, emit_until_done
@@ -485,9 +485,10 @@ class SchedulerActor(Actor):
                 except ActorError as exc:
                     self._on_verifier_failure(exc)  # fails every running request, this whole pick included
                     return
-                for req, entry in zip(chunk, _reply_rows(reply, [r.row for r in chunk], "prefill")):
-                    if "states" in entry:
-                        self._add_states(req, entry["states"])
+                entries = _reply_rows(reply, [r.row for r in chunk], "prefill")
+                for req, states in zip(chunk, self._row_states(reply, entries, "prefill")):
+                    if states is not None:
+                        self._add_states(req, states)
                 await asyncio.gather(*(self._start_speculators(req) for req in chunk))
 
     async def _start_speculators(self, req: _Request) -> None:
@@ -527,7 +528,8 @@ class SchedulerActor(Actor):
         results = _reply_rows(reply, [r.row for r in batch], "step")
         for result in results:
             if "error" not in result:
-                _require(result, ("accepted", "new_tokens", *(("states",) if wants_states else ())), "step")
+                _require(result, ("accepted", "new_tokens", *(("num_states",) if wants_states else ())), "step")
+        row_states = self._row_states(reply, results, "step") if wants_states else [None] * len(results)
         self._counters["num_steps"] += 1
         self._timers["propose_s"] += proposed - started
         self._timers["verify_s"] += verified - proposed
@@ -541,7 +543,7 @@ class SchedulerActor(Actor):
             except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
                 log.warning("adaptive speculation ignored a step: %s", exc)
         now = self.clock()
-        for req, result in zip(batch, results):
+        for req, result, states in zip(batch, results, row_states):
             if "error" in result:  # a numerical failure in this row alone: end this request only
                 self._counters["num_row_failures"] += 1
                 self._counters["num_failed"] += 1
@@ -554,8 +556,8 @@ class SchedulerActor(Actor):
             taken, finish = emit_until_done(req.emitted, new_tokens, req.params)
             req.accepted_per_step.append(len(result["accepted"]) - 1)
             req.since_propose.extend(taken)
-            if wants_states and req.speculate != "none":
-                self._add_states(req, result["states"])
+            if states is not None and req.speculate != "none":
+                self._add_states(req, states)
             if req.first_token_s is None:
                 req.first_token_s = now
             if not req.is_cancelled:
@@ -576,6 +578,7 @@ class SchedulerActor(Actor):
             for index in asked:
                 spec = self.speculators[index]
                 entries = []
+                states_sent: list[np.ndarray] = []
                 for req in speculating:
                     entry: dict[str, Any] = {
                         "request_id": req.request_id,
@@ -584,14 +587,18 @@ class SchedulerActor(Actor):
                         "params": params_to_wire(req.params),
                         "max_nodes": shares[index],
                     }
+                    parts = req.states_pending
                     if index in req.needs_history:
                         entry["history"] = req.prompt_ids + req.emitted
-                        if req.states_all:
-                            entry["states"] = np.concatenate(req.states_all)
-                    elif req.states_pending:
-                        entry["states"] = np.concatenate(req.states_pending)
+                        parts = req.states_all
+                    if parts:
+                        entry["num_states"] = sum(len(part) for part in parts)
+                        states_sent.extend(parts)
                     entries.append(entry)
-                calls.append(spec.ask("propose", {"requests": entries}, timeout=self.config.step_timeout_s))
+                body: dict[str, Any] = {"requests": entries}
+                if states_sent:  # stacked: one frame, whatever the number of requests
+                    body["states"] = np.concatenate(states_sent)
+                calls.append(spec.ask("propose", body, timeout=self.config.step_timeout_s))
             results = await asyncio.gather(*calls, return_exceptions=True)
             for index, result in zip(asked, results):
                 if isinstance(result, BaseException):
@@ -623,6 +630,24 @@ class SchedulerActor(Actor):
                 tree = tree.first_chain()
             trees.append(self._fit(tree, req))
         return trees
+
+    def _row_states(self, reply: Any, entries: list[dict[str, Any]], method: str) -> list[np.ndarray | None]:
+        """Each reply row's slice of the reply's stacked ``states`` (None: the row has none)."""
+        counts = [entry.get("num_states") for entry in entries]
+        if all(count is None for count in counts):
+            return [None] * len(entries)
+        if "states" not in reply:
+            raise MalformedReply(f"verifier {method} reply gives num_states but no 'states'")
+        try:
+            parts = split_states(reply["states"], [count or 0 for count in counts], self._state_dim(reply["states"]))
+        except ValueError as exc:
+            raise MalformedReply(f"verifier {method} reply: {exc}") from None
+        return [None if count is None else part for count, part in zip(counts, parts)]
+
+    @staticmethod
+    def _state_dim(states: Any) -> int:
+        shape = np.shape(states)
+        return int(shape[1]) if len(shape) == 2 else -1
 
     @staticmethod
     def _add_states(req: _Request, states: Any) -> None:

@@ -15,7 +15,7 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
 
 * ``start {"request_id", "prompt_ids"}`` -> None: fresh per-request state (one instance per kind).
 * ``propose {"requests": [{"request_id", "new_tokens", "max_depth", "params", "max_nodes"?,
-  "history"?, "states"?}]}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees
+  "history"?, "num_states"?}], "states"?}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...]}``, trees
   in request order. Each request first advances by ``new_tokens`` (emitted since its last
   propose: accepted drafts then the bonus token; empty on the first call), then every
   speculator proposes a tree rooted at the request's last token with nodes at most
@@ -30,9 +30,10 @@ tokenizer. ``capacity`` bounds each request's drafter KV cache (default: the mod
   length plus ``new_tokens`` does not match the history (an earlier propose was lost).
   Otherwise the entry's tree is root-only (rooted at ``new_tokens[-1]``; None when
   ``new_tokens`` is empty, the root being unknown) and its id is listed in ``missing``, so the
-  caller sends ``history`` next time. ``states`` (float ``(n, D)``) are the LLM's final hidden
-  states of the request's tokens since the last ones sent, in order (with ``history``: of all
-  of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
+  caller sends ``history`` next time. A request's ``num_states`` states (float ``(n, D)``, its
+  slice of the body's stacked ``states``, in request order: one frame for any number of
+  requests) are the LLM's final hidden states of its tokens since the last ones sent, in order
+  (with ``history``: of all of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
   "expansion": [4, 2, 1]}``: the greedy spine's widths; optional ``"dynamic": [depth, top_k,
   num_nodes]``: confidence-shaped trees for greedy requests) draft from them.
 * ``release {"request_id"}`` -> None (idempotent).
@@ -49,11 +50,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.actors.tree_wire import params_from_wire, tree_to_wire
+from treeserve.actors.tree_wire import params_from_wire, split_states, tree_to_wire
 from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _device, _int, _model_name, _str_or_none
 from treeserve.ops.drafting import ModelSpeculator, Speculator, split_node_budget, validate_expansion
 from treeserve.ops.model import Transformer
@@ -239,17 +239,24 @@ class SpeculatorActor(Actor):
     @handler
     async def propose(self, body: Any) -> dict[str, Any]:
         """Advance each request by its ``new_tokens`` and draft its merged token tree."""
-        body = _body(body, ("requests",))
+        body = _body(body, ("requests",), ("states",))
         entries = body["requests"]
         if not isinstance(entries, (list, tuple)):
             raise ValueError("propose needs a list 'requests'")
         vocab = self._vocab_size()
+        checked = [_body(e, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes", "num_states"))
+                   for e in entries]
+        counts = [e.get("num_states") for e in checked]
+        per_request: list[Tensor | None] = [None] * len(checked)
+        if any(count is not None for count in counts):
+            if body.get("states") is None:
+                raise ValueError("propose gives num_states but no stacked 'states'")
+            parts = split_states(body["states"], [count or 0 for count in counts], self._model_dim())
+            per_request = [None if c is None else torch.from_numpy(p) for c, p in zip(counts, parts)]
         parsed = []
-        for entry in entries:
-            entry = _body(entry, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes", "states"))
+        for entry, states in zip(checked, per_request):
             history = entry.get("history")
             max_nodes = entry.get("max_nodes")
-            states = None if entry.get("states") is None else _states(entry["states"], self._model_dim())
             parsed.append((
                 _request_id(entry["request_id"]),
                 _token_list(entry["new_tokens"], "new_tokens", vocab),
@@ -353,14 +360,6 @@ class SpeculatorActor(Actor):
         if tree.root_token != state.last_token:
             raise RuntimeError(f"a speculator drafted from token {tree.root_token}, expected {state.last_token}")
         return tree
-
-
-def _states(value: Any, dim: int) -> Tensor:
-    """A ``(n, dim)`` float array from the wire (the LLM's hidden states) as a torch tensor."""
-    array = np.asarray(value)
-    if array.ndim != 2 or array.shape[1] != dim or not np.issubdtype(array.dtype, np.floating):
-        raise ValueError(f"states must be a float array of shape (n, {dim}), got {array.dtype} {array.shape}")
-    return torch.from_numpy(np.array(array, dtype=np.float32))
 
 
 def _request_id(value: Any) -> str:

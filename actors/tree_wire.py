@@ -14,6 +14,11 @@ the one large field: a dense float32 array (one frame), or, when it has at most
 :data:`SPARSE_MAX_NONZEROS` non-zeros (point masses of the n-gram speculator, top-k drafts), a
 sparse map of flat indices and float32 values, exact either way. Decoding validates everything
 and raises ``ValueError`` naming the bad field.
+
+Per-row hidden states (``(n_i, D)`` float32 for row ``i``) travel the same way for the same
+reason: stacked into one ``(sum n_i, D)`` array in the message (one frame, whatever the row
+count), with each row's ``num_states`` beside its other fields (:func:`stack_states`,
+:func:`split_states`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,24 @@ _TREE_FIELDS = frozenset((*_INT_FIELDS, "draft_probs"))
 _PARAM_FIELDS = frozenset(("temperature", "top_k", "top_p", "seed", "stop_token_ids", "max_new_tokens"))
 _MAX_NODES = 1 << 16
 _MAX_PROB_ELEMENTS = 1 << 28
+
+
+def stack_states(parts: list[Any], dim: int) -> np.ndarray:
+    """Rows' ``(n_i, dim)`` float states (numpy or torch) as one float32 ``(sum n_i, dim)`` array."""
+    arrays = [np.asarray(p.float().cpu() if isinstance(p, Tensor) else p, dtype=np.float32) for p in parts]
+    return np.concatenate(arrays) if arrays else np.zeros((0, dim), dtype=np.float32)
+
+
+def split_states(value: Any, counts: list[int], dim: int) -> list[np.ndarray]:
+    """Invert :func:`stack_states`: the rows' float32 ``(n_i, dim)`` states, given each row's
+    ``counts[i]`` (``ValueError`` when the array or the counts do not fit)."""
+    array = np.asarray(value)
+    if array.ndim != 2 or array.shape[1] != dim or not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"states must be a float array of shape (n, {dim}), got {array.dtype} {array.shape}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != array.shape[0]:
+        raise ValueError(f"num_states {counts} do not add up to the {array.shape[0]} stacked states")
+    bounds = np.cumsum([0, *counts])
+    return [np.asarray(array[bounds[i]:bounds[i + 1]], dtype=np.float32) for i in range(len(counts))]
 
 
 def tree_to_wire(tree: TokenTree) -> dict[str, Any]:

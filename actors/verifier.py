@@ -10,8 +10,9 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
 * ``step {"rows": [{"row", "tree", "params", "request_id"}]}`` -> ``{"rows": [{"row", "accepted",
   "bonus_token", "new_tokens"}]}``: one batched forward per compact block of rows
   (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
-  A row that fails numerically (non-finite logits or probabilities) answers ``{"row", "error": str}`` instead and commits only its root; the other rows of the
-  step are unaffected. The caller should end that request and ``release`` its row; the row's
+  A row that fails numerically (non-finite logits or probabilities) answers
+  ``{"row", "error": str}`` instead and commits only its root; the other rows of the step are
+  unaffected. The caller should end that request and ``release`` its row; the row's
   cache is then zeroed (attention reads masked slots too, and ``0 * NaN`` would carry a stale
   NaN into the row's next request).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from treeserve.actors.tree_wire import params_from_wire, tree_from_wire
+from treeserve.actors.tree_wire import params_from_wire, stack_states, tree_from_wire
 from treeserve.ops.batch_step import (
     RowStep,
     prefill_rows,
@@ -296,9 +297,11 @@ class VerifierShard(Actor):
     @handler
     async def prefill(self, body: Any) -> dict[str, Any]:
         """Reset each listed row and commit its ``prompt_ids[:-1]``; the last prompt token is the
-        row's first root. A row with ``"return_states": true`` gets ``"states"`` in its reply: the
-        model's final hidden states of ``prompt_ids[:-1]`` (float32 ``(n, D)``, for feature-level
-        drafters). Every entry is checked before any row is reset."""
+        row's first root. A row with ``"return_states": true`` gets ``"num_states"`` in its reply,
+        and the reply's ``"states"`` stacks those rows' final hidden states of ``prompt_ids[:-1]``
+        (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
+        row count, see ``tree_wire.stack_states``). Every entry is checked before any row is
+        reset."""
         body = _body(body, ("rows",))
         model, cache = await self._ready()
         entries = body["rows"]
@@ -323,18 +326,23 @@ class VerifierShard(Actor):
             await self._scrub_if_needed(cache, row)
         results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
         rows: list[dict[str, Any]] = []
+        wanted: list[Tensor] = []
         for (row, _), (length, states), want in zip(jobs, results, wants):
             reply: dict[str, Any] = {"row": row, "length": length}
             if want:
-                reply["states"] = states.float().cpu().contiguous()
+                reply["num_states"] = int(states.shape[0])
+                wanted.append(states)
             rows.append(reply)
-        return {"rows": rows}
+        if not any(wants):
+            return {"rows": rows}
+        return {"rows": rows, "states": stack_states(wanted, self._info["dim"])}
 
     @handler
     async def step(self, body: Any) -> dict[str, Any]:
         """Verify one token tree per given row in batched forwards; commit each accepted path.
-        With ``"return_states": true`` each row's reply carries ``"states"``: the final hidden
-        states of its accepted nodes, root first (float32 ``(len(accepted), D)``)."""
+        With ``"return_states": true`` each row's reply carries ``"num_states"`` and the reply's
+        ``"states"`` stacks the rows' final hidden states of their accepted nodes, root first
+        (float32 ``(sum len(accepted), D)`` in row order; failed rows have none)."""
         body = _body(body, ("rows",), ("return_states",))
         model, cache = await self._ready()
         entries = body["rows"]
@@ -353,6 +361,7 @@ class VerifierShard(Actor):
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
         rows: list[dict[str, Any]] = []
+        kept: list[Tensor] = []
         for index, (step, result) in enumerate(zip(steps, results)):
             if step.row in failures:
                 rows.append({"row": step.row, "error": failures[step.row]})
@@ -364,9 +373,12 @@ class VerifierShard(Actor):
                 "new_tokens": result.new_tokens(step.tree),
             }
             if want_states:
-                row["states"] = states[index].float().cpu().contiguous()
+                row["num_states"] = int(states[index].shape[0])
+                kept.append(states[index])
             rows.append(row)
-        return {"rows": rows}
+        if not want_states:
+            return {"rows": rows}
+        return {"rows": rows, "states": stack_states(kept, self._info["dim"])}
 
     @handler
     async def release(self, body: Any) -> None:
