@@ -631,7 +631,8 @@ class SchedulerActor(Actor):
             trees.append(self._fit(tree, req))
         return trees
 
-    def _row_states(self, reply: Any, entries: list[dict[str, Any]], method: str) -> list[np.ndarray | None]:
+    @staticmethod
+    def _row_states(reply: Any, entries: list[dict[str, Any]], method: str) -> list[np.ndarray | None]:
         """Each reply row's slice of the reply's stacked ``states`` (None: the row has none)."""
         counts = [entry.get("num_states") for entry in entries]
         if all(count is None for count in counts):
@@ -639,15 +640,10 @@ class SchedulerActor(Actor):
         if "states" not in reply:
             raise MalformedReply(f"verifier {method} reply gives num_states but no 'states'")
         try:
-            parts = split_states(reply["states"], [count or 0 for count in counts], self._state_dim(reply["states"]))
+            parts = split_states(reply["states"], [count or 0 for count in counts])
         except ValueError as exc:
             raise MalformedReply(f"verifier {method} reply: {exc}") from None
         return [None if count is None else part for count, part in zip(counts, parts)]
-
-    @staticmethod
-    def _state_dim(states: Any) -> int:
-        shape = np.shape(states)
-        return int(shape[1]) if len(shape) == 2 else -1
 
     @staticmethod
     def _add_states(req: _Request, states: Any) -> None:

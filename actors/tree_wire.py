@@ -50,12 +50,13 @@ def stack_states(parts: list[Any], dim: int) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros((0, dim), dtype=np.float32)
 
 
-def split_states(value: Any, counts: list[int], dim: int) -> list[np.ndarray]:
+def split_states(value: Any, counts: list[int], dim: int | None = None) -> list[np.ndarray]:
     """Invert :func:`stack_states`: the rows' float32 ``(n_i, dim)`` states, given each row's
-    ``counts[i]`` (``ValueError`` when the array or the counts do not fit)."""
+    ``counts[i]`` (``ValueError`` when the array, its width ``dim`` if given, or the counts do
+    not fit)."""
     array = np.asarray(value)
-    if array.ndim != 2 or array.shape[1] != dim or not np.issubdtype(array.dtype, np.floating):
-        raise ValueError(f"states must be a float array of shape (n, {dim}), got {array.dtype} {array.shape}")
+    if array.ndim != 2 or (dim is not None and array.shape[1] != dim) or not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"states must be a float array of shape (n, {dim or 'D'}), got {array.dtype} {array.shape}")
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != array.shape[0]:
         raise ValueError(f"num_states {counts} do not add up to the {array.shape[0]} stacked states")
     bounds = np.cumsum([0, *counts])
