@@ -20,7 +20,7 @@ from treeserve.runtime.socket_dirs import remove_stale_socket_dirs
 pytestmark = pytest.mark.timeout(60)
 
 # Starts a runtime (its node listens in a fresh socket folder), prints that folder, then either
-# leaves without aclose ("exit") or idles until killed ("idle").
+# leaves without aclose once told to on stdin ("exit") or idles until killed ("idle").
 PROGRAM = textwrap.dedent("""
     import asyncio, sys, time
     from pathlib import Path
@@ -32,13 +32,16 @@ PROGRAM = textwrap.dedent("""
         print(Path(rt.endpoint.removeprefix("ipc://")).parent, flush=True)
         if sys.argv[1] == "idle":
             await asyncio.sleep(3600)
+        else:
+            sys.stdin.readline()  # the parent has seen the folder: leave
 
     asyncio.run(main())
 """)
 
 
 def start(mode: str) -> tuple[subprocess.Popen[str], Path]:
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, mode], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout is not None
     folder = Path(proc.stdout.readline().strip())
     assert folder.name.startswith(f"ts-{proc.pid}-") and folder.is_dir(), folder
@@ -47,6 +50,9 @@ def start(mode: str) -> tuple[subprocess.Popen[str], Path]:
 
 def test_folder_is_removed_when_the_process_exits_without_aclose() -> None:
     proc, folder = start("exit")
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.close()
     assert proc.wait(30) == 0
     assert not folder.exists()
 
