@@ -39,7 +39,7 @@ from torch import Tensor
 
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, Transformer, apply_rope
-from treeserve.ops.tree_attention import attention_under_mask
+from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
 
 MAX_NEW_TOKENS = 64
 """The most new tokens per row the step takes (the verifier's largest trees); longer inputs are
@@ -66,14 +66,9 @@ def step_hidden(
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
-    # Slot s of row b: committed (s < lengths[b]), new token s - lengths[b] (seen per the tree
-    # mask), or beyond the row's new tokens (hidden: another request's leftovers).
-    slots = torch.arange(num_slots.shape[0], device=tokens.device)  # (S,)
-    rel = slots[None, :] - lengths[:, None]  # (B, S)
-    is_new = (rel >= 0) & (rel < num_new)
-    seen_new = tree_mask.gather(2, rel.clamp(0, num_new - 1)[:, None, :].expand(batch, num_new, -1))  # (B, T, S)
-    mask = (rel < 0)[:, None, :] | (seen_new & is_new[:, None, :])  # (B, T, S) True = attend
-    mask = mask[:, None]  # (B, 1, T, S)
+    # The eager forward's mask: committed slots, tree-visible new ones; slots past a row's new
+    # tokens (another request's leftovers) hidden.
+    mask = build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
     cos = model.rope_cos[positions].to(dtype)[:, :, None, :]  # (B, T, 1, hd)
     sin = model.rope_sin[positions].to(dtype)[:, :, None, :]
     rows = torch.arange(batch, device=tokens.device)[:, None]  # (B, 1)
