@@ -7,14 +7,17 @@ verifier's step. In eager mode their ~1,500 small ops cost more than their weigh
 :class:`DecodeStep` runs them as one function of tensors only:
 
 * the KV cache is the model's preallocated :class:`~treeserve.ops.kv_cache.KVCache` storage,
-  written in place after each row's committed tokens with an indexed store (no host read of
-  the lengths, no per-row Python loop);
-* attention (torch's fused CPU kernel) reads slots ``[0, num_slots)``, ``num_slots =
-  max(lengths) + T``, under a ``(B, 1, T, S)`` mask, built once from the tree mask, that
-  hides each row's slots past its own new tokens; the row count ``B``, the new tokens ``T``
-  and the slots ``S`` are symbolic, so neither a growing sequence nor another batch or tree
-  size recompiles (gpt-fast's ``decode_one_token``, with a dynamic instead of a maximal slot
-  count so the attention reads only the slots in use);
+  written in place after each row's committed tokens by an opaque op (no host read of the
+  lengths in the graph, no per-row Python loop; an indexed store would be compiled into a copy
+  of the whole cache per step);
+* attention is the tree-mask kernel of :mod:`~treeserve.ops.kernels.tree_attention_cpu` on
+  CPUs with AVX-512: each row reads only its own committed slots and its tree-visible new
+  ones, under no dense mask. Elsewhere it is torch's fused attention over slots
+  ``[0, num_slots)``, ``num_slots = max(lengths) + T``, under a ``(B, 1, T, S)`` mask built
+  once from the tree mask. The row count ``B``, the new tokens ``T`` and the slots ``S`` are
+  symbolic, so neither a growing sequence nor another batch or tree size recompiles
+  (gpt-fast's ``decode_one_token``, with a dynamic instead of a maximal slot count so the
+  attention reads only the slots in use);
 * the compiled function is saved to one file (``torch.compile``'s ``aot_compile``), so a
   second start loads it in a few seconds instead of tracing and compiling (75-180 s for the
   default model on 2 cores, as measured).
@@ -37,7 +40,8 @@ import torch
 import torch._inductor.config
 from torch import Tensor
 
-from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.kernels import tree_attention_cpu
+from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer, apply_rope
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
 
@@ -66,13 +70,13 @@ def step_hidden(
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
-    # The eager forward's mask: committed slots, tree-visible new ones; slots past a row's new
-    # tokens (another request's leftovers) hidden.
-    mask = build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
+    fused = (tree_attention_cpu.loaded() and tokens.device.type == "cpu" and dtype in tree_attention_cpu.DTYPES
+             and head_dim <= tree_attention_cpu.MAX_HEAD_DIM)
+    # Otherwise, the eager forward's mask: committed slots, tree-visible new ones; slots past a
+    # row's new tokens (another request's leftovers) hidden.
+    mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
     cos = model.rope_cos[positions].to(dtype)[:, :, None, :]  # (B, T, 1, hd)
     sin = model.rope_sin[positions].to(dtype)[:, :, None, :]
-    rows = torch.arange(batch, device=tokens.device)[:, None]  # (B, 1)
-    write_slots = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
     h = model.embed_tokens(tokens)  # (B, T, D)
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
@@ -82,15 +86,19 @@ def step_hidden(
         q, k, v = attn.qkv_proj(block.input_layernorm(h)).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(batch, num_new, num_heads, head_dim), cos, sin)  # (B, T, H, hd)
         k = apply_rope(k.view(batch, num_new, num_kv, head_dim), cos, sin)  # (B, T, n_kv, hd)
-        keys[index][rows, :, write_slots] = k  # indexed (B, T) -> (B, T, n_kv, hd)
-        values[index][rows, :, write_slots] = v.view(batch, num_new, num_kv, head_dim)
-        visible_k = keys[index][:, :, : num_slots.shape[0]]  # (B, n_kv, S, hd)
-        visible_v = values[index][:, :, : num_slots.shape[0]]
-        # torch's fused CPU attention (flash; GQA without expanding K/V), as in the eager forward.
-        # At one query per head, attention written as products and sums for inductor to fuse
-        # measured no faster at one row and slower at 64 (a 130 ms step against 99 ms).
-        out = attention_under_mask(q.transpose(1, 2), visible_k, visible_v, mask)  # (B, H, T, hd)
-        out = out.transpose(1, 2).reshape(batch, num_new, q_size)  # (B, T, H*hd)
+        v = v.view(batch, num_new, num_kv, head_dim)
+        if mask is None:
+            tree_attention_cpu.write_kv(keys[index], values[index], k, v, lengths)
+            out = tree_attention_cpu.tree_decode(q, keys[index], values[index], lengths, tree_mask)  # (B, T, H*hd)
+        else:
+            write_pending(keys[index], values[index], k, v, lengths)
+            # torch's fused attention (flash; GQA without expanding K/V), as in the eager forward.
+            # At one query per head, attention written as products and sums for inductor to
+            # fuse measured no faster at one row and slower at 64 (a 130 ms step against 99 ms).
+            visible_k = keys[index][:, :, : num_slots.shape[0]]  # (B, n_kv, S, hd)
+            visible_v = values[index][:, :, : num_slots.shape[0]]
+            out = attention_under_mask(q.transpose(1, 2), visible_k, visible_v, mask)  # (B, H, T, hd)
+            out = out.transpose(1, 2).reshape(batch, num_new, q_size)  # (B, T, H*hd)
         h = h + attn.o_proj(out)
         h = h + block.mlp(block.post_attention_layernorm(h))
     return model.norm(h)  # (B, T, D)
@@ -124,6 +132,7 @@ class DecodeStep:
         self.compile_seconds: float | None = None
         self.load_seconds: float | None = None
         self._compiled: Callable[..., Tensor] | None = None
+        tree_attention_cpu.available()  # loaded before tracing: the step reads it as a constant
 
     @property
     def is_compiled(self) -> bool:
@@ -205,11 +214,13 @@ def artifact_name(model: Transformer) -> str:
     from treeserve.ops import formats, model as model_module
     from treeserve.ops.kernels import q4_amx
 
-    files = [Path(m.__file__) for m in (model_module, formats, q4_amx) if m.__file__] + [Path(__file__), q4_amx.SOURCE]
+    modules = (model_module, formats, q4_amx, tree_attention_cpu)
+    files = [Path(m.__file__) for m in modules if m.__file__] + [Path(__file__), q4_amx.SOURCE, tree_attention_cpu.SOURCE]
     sources = b"".join(path.read_bytes() for path in files)
     key = "|".join([
         repr(sorted(model.config.__dict__.items())), str(model.weight_format), str(model.dtype), str(model.device),
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
         hashlib.sha256(sources).hexdigest(), f"amx={q4_amx.available() if model.weight_format == 'q4_1' else None}",
+        f"tree_attention_cpu={tree_attention_cpu.available()}",
     ])
     return f"decode-{model.weight_format}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

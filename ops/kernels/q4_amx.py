@@ -7,29 +7,24 @@ a bf16 AMX tile is exactly one group of 32 along K, the codes ``q - 8`` are exac
 each group's partial sum is scaled in fp32, so it computes with the same weight values as the
 one-row kernel (see the C++ header) and differs from it only in float summation order.
 
-The source is compiled once per machine (about 10 s) with the system C++ compiler (``g++``, or
-``$CXX``) against torch's headers, into ``$TREESERVE_CACHE/kernels`` (default
-``~/.cache/treeserve/kernels``), keyed by the source, flags, compiler and torch version. It
-registers the dispatcher op ``torch.ops.treeserve_q4.mm``, which takes both packings and picks
-the kernel by row count, so an eager forward and the compiled decode step call it alike.
-:func:`available` says whether it can run here: a CPU with AMX-BF16, a compiler, and a
+The source is compiled once per machine (about 10 s; see :mod:`cpp_build`). It registers the
+dispatcher op ``torch.ops.treeserve_q4.mm``, which takes both packings and picks the kernel by
+row count, so an eager forward and the compiled decode step call it alike. :func:`available`
+says whether it can run here: a CPU with AMX-BF16, a compiler, and a
 successful build; otherwise the q4_1 format runs the one-row kernel at every shape.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from treeserve.ops.kernels import cpp_build
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +32,7 @@ GROUP = 32
 """Weights per group along K (one bf16 AMX tile deep); N and K must be multiples of it."""
 
 SOURCE = Path(__file__).with_name("q4_amx.cpp")
-FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-         "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+FLAGS = (*cpp_build.AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 
 MIN_ROWS = 4
 """From this many rows on, the AMX kernel runs (fewer rows: torch's one-row kernel). Measured
@@ -51,62 +45,22 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-def build_dir() -> Path:
-    """Where the compiled library is kept (beside the rest of treeserve's cache)."""
-    root = os.environ.get("TREESERVE_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "treeserve") / "kernels"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _torch_flags() -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    libs = cpp_extension.library_paths()
-    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *(f"-L{path}" for path in libs),
-            *(f"-Wl,-rpath,{path}" for path in libs), "-lc10", "-ltorch_cpu"]
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = [*FLAGS, *_torch_flags()]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    target = build_dir() / f"q4_amx-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("q4_amx: compiling the AMX kernel once for this machine (%s)", target)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        scratch = Path(tmp) / target.name
-        subprocess.run([compiler, str(SOURCE), "-o", str(scratch), *flags], capture_output=True, text=True, check=True)
-        os.replace(scratch, target)  # atomic: a concurrent builder ends with one whole file
-    return target
-
-
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
     with _lock:
         if _tried:
             return _library
         _tried = True
-        compiler = _compiler()
-        if compiler is None:
-            log.info("q4_amx: no C++ compiler found; q4_1 runs its one-row kernel at every shape")
-            return None
         if not _cpu_has_amx():
             log.info("q4_amx: this CPU offers no AMX-BF16 tiles; q4_1 runs its one-row kernel at every shape")
             return None
+        path = cpp_build.build(SOURCE, FLAGS)
+        if path is None:
+            return None
         try:
-            path = _build(compiler)
             library = ctypes.CDLL(str(path))
-        except (OSError, subprocess.CalledProcessError) as exc:
-            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-            log.warning("q4_amx: the AMX kernel could not be built or loaded (%s); q4_1 runs its one-row kernel", detail)
+        except OSError as exc:
+            log.warning("q4_amx: the AMX kernel could not be loaded (%s); q4_1 runs its one-row kernel", exc)
             return None
         library.ts_q4_amx_init.restype = ctypes.c_int
         if not library.ts_q4_amx_init():
@@ -119,11 +73,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"))
+    return {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"} <= cpp_build.cpu_flags()
 
 
 def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, row_packed: Tensor, row_scales_zeros: Tensor,

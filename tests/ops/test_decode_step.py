@@ -11,6 +11,7 @@ import torch
 
 from treeserve.ops.decode_step import DecodeStep, artifact_name, step_hidden
 from treeserve.ops.formats import apply_format
+from treeserve.ops.kernels import tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.tree_attention import tree_mask_from_parents
@@ -18,6 +19,19 @@ from treeserve.ops.tree_attention import tree_mask_from_parents
 from .conftest import make_tiny_model
 
 FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8)
+BOTH_ATTENTIONS = pytest.mark.parametrize("attention", ["kernel", "torch"], indirect=True)
+
+
+@pytest.fixture
+def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The step's attention: the CPU tree-mask kernel (skipped where this CPU has none), or
+    torch's fused attention under a dense mask (the path of every other machine)."""
+    if request.param == "kernel" and not tree_attention_cpu.available():
+        pytest.skip("needs AVX-512 and a C++ compiler")
+    if request.param == "torch":
+        monkeypatch.setattr(tree_attention_cpu, "available", lambda: False)
+        monkeypatch.setattr(tree_attention_cpu, "loaded", lambda: False)
+    return str(request.param)
 
 
 def _ragged_cache(model: Transformer, lengths: list[int], capacity: int = 40) -> KVCache:
@@ -54,7 +68,8 @@ def _step_logits(step: DecodeStep, tokens: torch.Tensor, cache: KVCache) -> tupl
     return step.model.logits(hidden), hidden
 
 
-def test_eager_decode_step_equals_the_forward_in_float32() -> None:
+@BOTH_ATTENTIONS
+def test_eager_decode_step_equals_the_forward_in_float32(attention: str) -> None:
     """Rows at different lengths: same logits, same K/V written at each row's own slot."""
     model = apply_format(make_tiny_model(2, **FORMAT_DIMS), "float32")
     cache = _ragged_cache(model, [5, 17, 9])
@@ -70,7 +85,8 @@ def test_eager_decode_step_equals_the_forward_in_float32() -> None:
             torch.testing.assert_close(mine[row, :, : length + 1], theirs[row, :, : length + 1], rtol=1e-5, atol=1e-5)
 
 
-def test_decode_step_never_sees_a_rows_stale_slots() -> None:
+@BOTH_ATTENTIONS
+def test_decode_step_never_sees_a_rows_stale_slots(attention: str) -> None:
     """Garbage beyond a row's length (another request's leftovers) must not change its logits."""
     model = apply_format(make_tiny_model(4, **FORMAT_DIMS), "float32")
     cache = _ragged_cache(model, [4, 12])
@@ -95,7 +111,8 @@ def _trees(lengths: list[int], num_nodes: int, seed: int) -> tuple[torch.Tensor,
     return torch.randint(0, 100, (len(lengths), num_nodes), generator=gen), mask, positions
 
 
-def test_eager_step_of_a_tree_equals_the_general_forward_in_float32() -> None:
+@BOTH_ATTENTIONS
+def test_eager_step_of_a_tree_equals_the_general_forward_in_float32(attention: str) -> None:
     """Ragged rows, each with its own random tree: the step's mask, positions and K/V slots
     are the general forward's (a wrong ancestor, depth or slot changes the logits)."""
     model = apply_format(make_tiny_model(3, **FORMAT_DIMS), "float32")
@@ -137,8 +154,9 @@ def test_the_forward_uses_an_attached_step_up_to_its_token_limit() -> None:
     assert calls == [(2, 6), (2, 1), (2, 2)]
 
 
-@pytest.mark.parametrize("name", ["q4_1", "bfloat16"])
-def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(("name", "attention"), [("q4_1", "kernel"), ("bfloat16", "kernel"), ("bfloat16", "torch")],
+                         indirect=["attention"])
+def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, attention: str) -> None:
     """One compile serves every batch size and sequence length; a second process-like load
     of the saved file computes the same logits. (The compiled path of the served formats:
     the int4 kernel, and the prepacked oneDNN kernel behind its opaque op.)"""

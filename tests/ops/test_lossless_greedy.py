@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from treeserve.ops.decode_step import DecodeStep
 from treeserve.ops.drafting import ModelSpeculator, Speculator
+from treeserve.ops.formats import apply_format
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
@@ -163,3 +165,18 @@ def test_generation_rejects_bad_requests(llm: Transformer) -> None:
         generate_incremental(llm, [VOCAB], SamplingParams())
     with pytest.raises(ValueError, match="max_seq_len"):
         generate_speculative(llm, [], PROMPT, SamplingParams(max_new_tokens=190))
+
+
+def test_greedy_speculation_through_the_serving_decode_step_equals_incremental() -> None:
+    """The path a served model runs: fused float32 weights and the decode step, whose attention
+    is the tree-mask kernel of ``kernels.tree_attention_cpu`` where this CPU has one."""
+    llm = apply_format(tiny_model(0), "float32")
+    llm.decode_step = DecodeStep(llm)
+    params = SamplingParams(max_new_tokens=40)
+    reference = generate_incremental(llm, PROMPT, params)
+    assert reference.token_ids == generate_incremental(tiny_model(0), PROMPT, params).token_ids
+    sets = speculator_sets(llm)
+    for name in ("self_tree", "random_tree", "ngram_and_ssm"):
+        result = generate_speculative(llm, sets[name], PROMPT, params)
+        assert result.token_ids == reference.token_ids, name
+    assert generate_speculative(llm, sets["self_tree"], PROMPT, params).mean_accepted_per_step >= 6.5

@@ -1,0 +1,88 @@
+"""Build treeserve's C++ CPU kernels once per machine, against the running torch.
+
+Each kernel is one ``.cpp`` file that registers its dispatcher ops with ``TORCH_LIBRARY``. It
+is compiled with the system C++ compiler (``g++``, or ``$CXX``) into
+``$TREESERVE_CACHE/kernels`` (default ``~/.cache/treeserve/kernels``), under a name keyed by
+the source, the flags, the compiler and the torch version, so a later process loads it
+without compiling. A machine without a compiler, or a CPU without the instructions a kernel
+needs, gets ``None`` and the caller's torch fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+"""The AVX-512 subsets every kernel here may use (Skylake-SP and later)."""
+
+
+def build_dir() -> Path:
+    """Where compiled kernels are kept (beside the rest of treeserve's cache)."""
+    root = os.environ.get("TREESERVE_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "treeserve") / "kernels"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with, or None when the machine has none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _torch_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *(f"-L{path}" for path in libs),
+            *(f"-Wl,-rpath,{path}" for path in libs), "-lc10", "-ltorch_cpu"]
+
+
+def build(source: Path, flags: Sequence[str]) -> Path | None:
+    """The shared library of ``source`` built with ``flags`` (cached), or None when it cannot be
+    built here (no compiler, or the compiler failed: logged with its message)."""
+    cxx = compiler()
+    if cxx is None:
+        log.info("%s: no C++ compiler found; its torch fallback runs", source.name)
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+        all_flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", *flags, *_torch_flags()]
+        key = hashlib.sha256(source.read_bytes() + " ".join(all_flags).encode() + version.encode()
+                             + torch.__version__.encode()).hexdigest()[:16]
+        target = build_dir() / f"{source.stem}-{key}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("%s: compiling once for this machine (%s)", source.name, target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            scratch = Path(tmp) / target.name
+            subprocess.run([cxx, str(source), "-o", str(scratch), *all_flags], capture_output=True, text=True, check=True)
+            os.replace(scratch, target)  # atomic: a concurrent builder ends with one whole file
+        return target
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        log.warning("%s could not be built (%s); its torch fallback runs", source.name, detail)
+        return None

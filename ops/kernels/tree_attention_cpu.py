@@ -1,0 +1,85 @@
+"""The verify step's attention on CPU: new tokens over their row's KV cache under a token tree.
+
+``tree_attention_cpu.cpp`` (AVX-512; see its header) computes, for each new token, attention
+over its row's committed slots plus the tree-visible new slots, reading each key and value
+once per KV head (GQA) under an online softmax. It replaces, in the decode step, torch's
+fused attention over a dense ``(B, 1, T, S)`` mask: that kernel read every row up to the
+longest row's length and, at 64 rows on a 256-token cache, read the cache at about 6 GB/s.
+
+Its ops: ``torch.ops.treeserve_attn.write_kv`` stores the new tokens' K/V in the cache in
+place, and ``torch.ops.treeserve_attn.tree_decode(q, keys, values, lengths, tree_mask)``, whose
+shapes are those of :mod:`treeserve.ops.tree_attention` with ``q`` laid out ``(B, T, H, hd)``
+(before the head transpose) and the result ``(B, T, H * hd)`` (after it). It is built once per
+machine (:mod:`cpp_build`). :func:`available` says whether this CPU and machine can run it;
+where they cannot, the decode step keeps torch's attention.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from treeserve.ops.kernels import cpp_build
+
+SOURCE = Path(__file__).with_name("tree_attention_cpu.cpp")
+FLAGS = cpp_build.AVX512
+MAX_HEAD_DIM = 128
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def _shape(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, tree_mask: Tensor) -> Tensor:
+    batch, num_new, heads, head_dim = q.shape
+    return q.new_empty((batch, num_new, heads * head_dim))
+
+
+def _write_kv_shape(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
+    return None
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (a CPU with AVX-512 and a C++ compiler)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = False
+            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags():
+                path = cpp_build.build(SOURCE, FLAGS)
+                if path is not None:
+                    torch.ops.load_library(str(path))  # registers treeserve_attn::tree_decode
+                    torch.library.register_fake("treeserve_attn::tree_decode")(_shape)
+                    torch.library.register_fake("treeserve_attn::write_kv")(_write_kv_shape)
+                    _loaded = True
+        return _loaded
+
+
+def loaded() -> bool:
+    """True once :func:`available` has loaded the kernel (a plain read, for traced code)."""
+    return _loaded is True
+
+
+def supports(q: Tensor) -> bool:
+    """True when queries like ``q`` ``(B, T, H, hd)`` can run here: CPU, float32 or bfloat16,
+    ``hd <= 128``, and the kernel available."""
+    return q.device.type == "cpu" and q.dtype in DTYPES and q.shape[-1] <= MAX_HEAD_DIM and available()
+
+
+def tree_decode(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, tree_mask: Tensor) -> Tensor:
+    """Attention ``(B, T, H * hd)`` of new-token queries ``q`` ``(B, T, H, hd)`` over the cache
+    ``keys``/``values`` ``(B, n_kv, C, hd)``: token ``t`` of row ``b`` sees slots
+    ``[0, lengths[b])`` and slot ``lengths[b] + s`` iff ``tree_mask[b, t, s]``. The new tokens'
+    K/V must already be written. Call only where :func:`supports` is True."""
+    result: Tensor = torch.ops.treeserve_attn.tree_decode(q, keys, values, lengths, tree_mask)
+    return result
+
+
+def write_kv(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
+    """Store new tokens' ``new_keys``/``new_values`` ``(B, T, n_kv, hd)`` at cache slots
+    ``lengths[b] + t`` of ``keys``/``values`` ``(B, n_kv, C, hd)``, in place (a compiled graph
+    keeps it in place; an indexed store there copies the whole cache)."""
+    torch.ops.treeserve_attn.write_kv(keys, values, new_keys, new_values, lengths)
