@@ -199,15 +199,15 @@ class OneDnnLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8: ``x @ (q * scale).T`` with one bf16 scale per output row."""
+    """Weight-only int8: ``x @ (q * scale).T`` with one bf16 scale per output row.
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    ``buffers`` are :func:`int8_buffers`'s (or the same, read back from a saved format).
+    """
+
+    def __init__(self, buffers: Mapping[str, Tensor], bias: Tensor | None) -> None:
         super().__init__()
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)  # (N,)
-        codes = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scale", scale)
+        self.register_buffer("codes", buffers["codes"])
+        self.register_buffer("scale", buffers["scale"])
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -221,36 +221,35 @@ class Int8Linear(nn.Module):
         return self.codes.numel() + self.scale.numel() * self.scale.element_size()
 
 
+def int8_buffers(weight: Tensor) -> dict[str, Tensor]:
+    """Int8 codes ``(N, K)`` and bf16 per-row scales ``(N,)`` of a float weight."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)  # (N,)
+    codes = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+    return {"codes": codes.contiguous(), "scale": scale}
+
+
 class Int4Linear(nn.Module):
     """Weight-only 4-bit, group 32: ``w = (q - 8) * scale + zero`` (see the module docstring).
 
     Where the AMX kernel runs (:func:`~treeserve.ops.kernels.q4_amx.available` and both sizes
     multiples of 32) it also holds the codes in that kernel's packing (another half byte per
-    weight), and one op picks the kernel by row count.
+    weight), and one op picks the kernel by row count. ``source``: Q4_1 blocks, or their
+    :func:`int4_buffers` (read back from a saved format).
     """
 
-    def __init__(self, blocks: Q4Blocks, bias: Tensor | None) -> None:
+    def __init__(self, source: Q4Blocks | Mapping[str, Tensor], bias: Tensor | None) -> None:
         super().__init__()
-        n, k = blocks.codes.shape
-        if k % Q4_GROUP:
-            raise FormatUnsupportedError(f"q4_1 needs in_features divisible by {Q4_GROUP}, got {k}")
-        scale = blocks.scale.float()
-        zero = blocks.minimum.float() + 8 * scale
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
-        self.out_features, self.in_features = n, k
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES))
+        buffers = int4_buffers(source) if isinstance(source, Q4Blocks) else source
+        scales_and_zeros = buffers["scales_and_zeros"]  # (K/32, N, 2)
+        self.in_features, self.out_features = scales_and_zeros.shape[0] * Q4_GROUP, scales_and_zeros.shape[1]
+        self.register_buffer("packed", buffers["packed"])
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
-        amx = q4_amx.supports(n, k) and q4_amx.available()
-        # The bf16 scales and zeros the one-row kernel reads, as exact fp32 values.
-        codes, scales_zeros = (
-            q4_amx.pack(blocks.codes, scales_and_zeros[..., 0].t().float(), scales_and_zeros[..., 1].t().float())
-            if amx else (None, None)
-        )
         self.amx_codes: Tensor | None
         self.amx_scales_zeros: Tensor | None
-        self.register_buffer("amx_codes", codes)
-        self.register_buffer("amx_scales_zeros", scales_zeros)
+        self.register_buffer("amx_codes", buffers.get("amx_codes"))
+        self.register_buffer("amx_scales_zeros", buffers.get("amx_scales_zeros"))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -267,19 +266,51 @@ class Int4Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
-def make_linear(
-    fmt: WeightFormat, weight: Tensor, bias: Tensor | None, *, blocks: Q4Blocks | None = None, device: torch.device | None = None
-) -> nn.Module:
-    """The format's kernel for a float ``(N, K)`` weight (``blocks``: its Q4_1 source, if any).
+def int4_buffers(blocks: Q4Blocks) -> dict[str, Tensor]:
+    """The int4 kernels' buffers of Q4_1 blocks: the one-row kernel's packing and bf16 scales
+    and zeros, and, where the AMX kernel runs, its packing of the same codes and values."""
+    n, k = blocks.codes.shape
+    if k % Q4_GROUP:
+        raise FormatUnsupportedError(f"q4_1 needs in_features divisible by {Q4_GROUP}, got {k}")
+    scale = blocks.scale.float()
+    zero = blocks.minimum.float() + 8 * scale
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
+    buffers = {
+        "packed": torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES),
+        "scales_and_zeros": scales_and_zeros,
+    }
+    if q4_amx.supports(n, k) and q4_amx.available():
+        # The bf16 scales and zeros the one-row kernel reads, as exact fp32 values.
+        buffers["amx_codes"], buffers["amx_scales_zeros"] = q4_amx.pack(
+            blocks.codes, scales_and_zeros[..., 0].t().float(), scales_and_zeros[..., 1].t().float())
+    return buffers
 
-    The LM head passes ``fmt`` BFLOAT16 for the int formats (see the module docstring).
+
+PREPARED_KERNELS = (Int8Linear, Int4Linear)
+"""The kernels whose buffers take long to compute from the weights (packing, quantizing):
+:func:`prepared_buffers` collects them so a later load can pass them back to :func:`apply_format`."""
+
+
+def make_linear(
+    fmt: WeightFormat, weight: Tensor | None, bias: Tensor | None, *, blocks: Q4Blocks | None = None,
+    prepared: Mapping[str, Tensor] | None = None, device: torch.device | None = None,
+) -> nn.Module:
+    """The format's kernel for a float ``(N, K)`` weight (``blocks``: its Q4_1 source, if any;
+    ``prepared``: the int kernels' buffers, computed before, which replace both).
+
+    ``weight`` may be None only when ``blocks`` or ``prepared`` stand in for it. The LM head
+    passes ``fmt`` BFLOAT16 for the int formats (see the module docstring).
     """
-    device = weight.device if device is None else device
+    device = device if device is not None else weight.device if weight is not None else torch.device("cpu")
+    if device.type == "cuda" and fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+        raise FormatUnsupportedError(f"the {fmt.value} format has CPU kernels only; on CUDA use float32 or bfloat16")
+    if prepared and fmt is WeightFormat.INT8:
+        return Int8Linear(prepared, bias)
+    if fmt is WeightFormat.Q4_1 and (prepared or blocks is not None):
+        return Int4Linear(prepared or cast(Q4Blocks, blocks), bias)
+    if weight is None:
+        raise ValueError(f"make_linear: the {fmt.value} format needs the float weight here")
     if device.type == "cuda":
-        if fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
-            raise FormatUnsupportedError(
-                f"the {fmt.value} format has CPU kernels only; on CUDA use float32 or bfloat16"
-            )
         dtype = fmt.activation_dtype
         return DenseLinear(weight.to(device, dtype), None if bias is None else bias.to(device, dtype))
     if fmt is WeightFormat.FLOAT32:
@@ -289,8 +320,19 @@ def make_linear(
             return DenseLinear(weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
         return OneDnnLinear(weight, bias)
     if fmt is WeightFormat.INT8:
-        return Int8Linear(weight, bias)
-    return Int4Linear(blocks if blocks is not None else q4_blocks_from_float(weight), bias)
+        return Int8Linear(int8_buffers(weight), bias)
+    return Int4Linear(int4_buffers(q4_blocks_from_float(weight)), bias)
+
+
+def prepared_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """The buffers of ``model``'s int kernels by ``<module path>.<buffer>``: what
+    :func:`apply_format`'s ``prepared`` takes back (a saved format, so a second start skips
+    packing and quantizing)."""
+    return {
+        f"{name}.{buffer}": tensor
+        for name, module in model.named_modules() if isinstance(module, PREPARED_KERNELS)
+        for buffer, tensor in module.named_buffers(recurse=False) if tensor is not None
+    }
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
@@ -312,7 +354,8 @@ def _moved_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
 
 
 def apply_format(
-    model: Transformer, fmt: WeightFormat | str, *, q4_blocks: Mapping[str, Q4Blocks] | None = None
+    model: Transformer, fmt: WeightFormat | str, *, q4_blocks: Mapping[str, Q4Blocks] | None = None,
+    prepared: Mapping[str, Tensor] | None = None,
 ) -> Transformer:
     """Put ``model``'s linears into ``fmt`` in place (fusing Q/K/V and gate/up) and return it.
 
@@ -320,6 +363,8 @@ def apply_format(
     parallelism (``apply_tp``) goes first, so each rank formats its own slices. ``q4_blocks``
     (parameter name -> :class:`Q4Blocks`, from :func:`~treeserve.ops.loaders.gguf.read_q4_1_blocks`)
     gives the q4_1 format the GGUF's own codes; weights without blocks are quantized from float.
+    ``prepared`` (from :func:`prepared_buffers` of the same model, format and code, saved
+    earlier) gives the int kernels their buffers, so nothing is packed or quantized again.
     Embeddings and norms move to the format's activation dtype. The model then serves inference
     only (its fused kernels carry no gradients); :meth:`Transformer.logits` uses the format's head.
     """
@@ -336,26 +381,35 @@ def apply_format(
         if tp_sliced:
             raise FormatUnsupportedError("q4_1 blocks do not fit a tensor-parallel shard (run q4_1 with --tp 1)")
 
-    def fused(prefix: str, parts: list[nn.Linear], names: list[str]) -> nn.Module:
-        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+    saved = dict(prepared or {})
+
+    def buffers_of(path: str) -> dict[str, Tensor]:
+        return {key[len(path) + 1:]: value for key, value in saved.items() if key.startswith(f"{path}.")}
+
+    def fused(prefix: str, fused_name: str, parts: list[nn.Linear], names: list[str]) -> nn.Module:
         biases = [p.bias for p in parts]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        own = buffers_of(f"{prefix}.{fused_name}")
         part_blocks = [blocks.get(f"{prefix}.{n}.weight") for n in names]
         q4 = None
-        if fmt is WeightFormat.Q4_1 and all(b is not None for b in part_blocks):
+        if fmt is WeightFormat.Q4_1 and all(b is not None for b in part_blocks) and not own:
             q4 = Q4Blocks(*(torch.cat([getattr(b, f) for b in part_blocks if b is not None]) for f in ("codes", "scale", "minimum")))
-        return make_linear(fmt, weight, bias, blocks=q4, device=device)
+        # The fused float weight only where no blocks or saved buffers stand in for it.
+        weight = None if own or q4 is not None else torch.cat([p.weight.detach() for p in parts])
+        return make_linear(fmt, weight, bias, blocks=q4, prepared=own, device=device)
 
     def single(prefix: str, linear: nn.Linear) -> nn.Module:
         bias = None if linear.bias is None else linear.bias.detach()
-        kernel = make_linear(fmt, linear.weight.detach(), bias, blocks=blocks.get(f"{prefix}.weight"), device=device)
+        kernel = make_linear(fmt, linear.weight.detach(), bias, blocks=blocks.get(f"{prefix}.weight"),
+                             prepared=buffers_of(prefix), device=device)
         return _moved_hooks(linear, kernel)
 
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
         attn, mlp = block.self_attn, block.mlp
-        attn.qkv_proj = fused(f"layers.{index}.self_attn", [attn.q_proj, attn.k_proj, attn.v_proj], ["q_proj", "k_proj", "v_proj"])
-        mlp.gate_up_proj = fused(f"layers.{index}.mlp", [mlp.gate_proj, mlp.up_proj], ["gate_proj", "up_proj"])
+        attn.qkv_proj = fused(f"layers.{index}.self_attn", "qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj],
+                              ["q_proj", "k_proj", "v_proj"])
+        mlp.gate_up_proj = fused(f"layers.{index}.mlp", "gate_up_proj", [mlp.gate_proj, mlp.up_proj], ["gate_proj", "up_proj"])
         attn.o_proj = cast(nn.Linear, single(f"layers.{index}.self_attn.o_proj", attn.o_proj))
         mlp.down_proj = cast(nn.Linear, single(f"layers.{index}.mlp.down_proj", mlp.down_proj))
         for name in ("q_proj", "k_proj", "v_proj"):

@@ -174,3 +174,31 @@ def test_q4_1_reproduces_the_ggufs_blocks(default_model) -> None:
     seen = layer(torch.eye(layer.in_features, dtype=torch.bfloat16)).float().t()
     exact = state["layers.7.self_attn.q_proj.weight"]
     assert (seen - exact).abs().max().item() <= 2.0**-7 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["q4_1", "int8"])
+def test_saved_format_is_read_back_and_computes_the_same(tmp_path, monkeypatch, name: str) -> None:  # type: ignore[no-untyped-def]
+    """``prepare_for_serving`` saves the int kernels' buffers on the first load, and a second
+    load reads them back instead of packing or quantizing; the weights' files are in the key."""
+    from treeserve import models
+    from treeserve.ops import formats
+
+    source = tmp_path / "weights"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(b"stand-in for the weights' file")
+    first = models.prepare_for_serving(make_tiny_model(3, **FORMAT_DIMS), source, name, cache_dir=tmp_path,
+                                       compile_decode=False)
+    saved = models._formatted_path(make_tiny_model(3, **FORMAT_DIMS), source, WeightFormat(name), tmp_path)
+    assert saved.exists()
+
+    def no_packing(*args: object) -> None:
+        raise AssertionError("the second load packed the weights again")
+
+    monkeypatch.setattr(formats, "int4_buffers", no_packing)
+    monkeypatch.setattr(formats, "int8_buffers", no_packing)
+    second = models.prepare_for_serving(make_tiny_model(3, **FORMAT_DIMS), source, name, cache_dir=tmp_path,
+                                        compile_decode=False)
+    tokens = torch.tensor([[1, 5, 7, 2]])
+    assert torch.equal(first(tokens, first.new_cache(1, 8)), second(tokens, second.new_cache(1, 8)))
+    (source / "model.safetensors").write_bytes(b"other weights")  # a changed file: another key
+    assert models._formatted_path(make_tiny_model(3, **FORMAT_DIMS), source, WeightFormat(name), tmp_path) != saved
