@@ -17,6 +17,11 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   NaN into the row's next request).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
+Group calls: a ``prefill`` or ``step`` body with ``"rank0_answers": true`` (sent by
+:class:`~treeserve.actors.verifier_group.VerifierGroup` to more than one shard) is answered in
+full by rank 0 alone; ranks >= 1 run the same forwards and commits, skip collecting hidden
+states and answer ``None``, since their rows would be thrown away. Without it every rank answers.
+
 Rank agreement: only rank 0 verifies (it holds the per-request ``torch.Generator``, seeded from
 ``params.seed`` on first use); it broadcasts each row's decision (accepted path and bonus token)
 over the process group before any rank commits, so every rank commits identical paths even if
@@ -295,14 +300,15 @@ class VerifierShard(Actor):
         return dict(self._info)
 
     @handler
-    async def prefill(self, body: Any) -> dict[str, Any]:
+    async def prefill(self, body: Any) -> dict[str, Any] | None:
         """Reset each listed row and commit its ``prompt_ids[:-1]``; the last prompt token is the
         row's first root. A row with ``"return_states": true`` gets ``"num_states"`` in its reply,
         and the reply's ``"states"`` stacks those rows' final hidden states of ``prompt_ids[:-1]``
         (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
         row count, see ``tree_wire.stack_states``). Every entry is checked before any row is
-        reset."""
-        body = _body(body, ("rows",))
+        reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
+        body = _body(body, ("rows",), ("rank0_answers",))
+        acks_only = self._acks_only(body)
         model, cache = await self._ready()
         entries = body["rows"]
         if not isinstance(entries, (list, tuple)) or not entries:
@@ -321,10 +327,12 @@ class VerifierShard(Actor):
                     f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
                 )
             jobs.append((self._row(entry["row"]), list(prompt[:-1])))
-            wants.append(entry.get("return_states") is True)
+            wants.append(entry.get("return_states") is True and not acks_only)
         for row, _ in jobs:
             await self._scrub_if_needed(cache, row)
         results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
+        if acks_only:
+            return None
         rows: list[dict[str, Any]] = []
         wanted: list[Tensor] = []
         for (row, _), (length, states), want in zip(jobs, results, wants):
@@ -338,12 +346,14 @@ class VerifierShard(Actor):
         return {"rows": rows, "states": stack_states(wanted, self._info["dim"])}
 
     @handler
-    async def step(self, body: Any) -> dict[str, Any]:
+    async def step(self, body: Any) -> dict[str, Any] | None:
         """Verify one token tree per given row in batched forwards; commit each accepted path.
         With ``"return_states": true`` each row's reply carries ``"num_states"`` and the reply's
         ``"states"`` stacks the rows' final hidden states of their accepted nodes, root first
-        (float32 ``(sum len(accepted), D)`` in row order; failed rows have none)."""
-        body = _body(body, ("rows",), ("return_states",))
+        (float32 ``(sum len(accepted), D)`` in row order; failed rows have none). ``None`` on
+        ranks >= 1 of a ``rank0_answers`` call."""
+        body = _body(body, ("rows",), ("return_states", "rank0_answers"))
+        acks_only = self._acks_only(body)
         model, cache = await self._ready()
         entries = body["rows"]
         if not isinstance(entries, (list, tuple)) or not entries:
@@ -357,9 +367,11 @@ class VerifierShard(Actor):
             tree = tree_from_wire(entry["tree"])
             params = params_from_wire(entry["params"])
             steps.append(RowStep(self._row(entry["row"]), tree, params, self._generator_for(request_id, params)))
-        want_states = body.get("return_states") is True
+        want_states = body.get("return_states") is True and not acks_only
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
+        if acks_only:
+            return None
         rows: list[dict[str, Any]] = []
         kept: list[Tensor] = []
         for index, (step, result) in enumerate(zip(steps, results)):
@@ -398,6 +410,13 @@ class VerifierShard(Actor):
             await self._offload.run(_zero_row, cache, row)
 
     # ------------------------------------------------------------------ helpers
+    def _acks_only(self, body: Mapping[str, Any]) -> bool:
+        """Whether this rank answers ``None``: a rank >= 1 in a ``rank0_answers`` call."""
+        flag = body.get("rank0_answers", False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"rank0_answers must be a boolean, got {flag!r}")
+        return flag and self.config.tp_rank > 0
+
     def _row(self, value: Any) -> int:
         row = _int(value, "row")
         if row >= self.config.num_rows:
