@@ -12,8 +12,8 @@ Config dict::
 ``model`` is the served LM; a ``hidden`` predictor runs its first blocks (float32, as trained)
 and the rest of the model is dropped after loading. ``predictor`` is an ``.npz`` written by
 ``treeserve train-predictor`` (None: the shipped one). With ``online`` the head is refined from
-completed requests by :class:`treeserve.predictor.OnlineHead` (bounded buffer, a ridge re-solve
-every few requests). Handlers:
+completed requests by :class:`treeserve.ops.length_predictor.OnlineHead` (bounded buffer, a
+ridge re-solve every few requests). Handlers:
 
 * ``predict {"request_id", "prompt_ids"}`` -> ``{"predicted_len": float}``: predicted output
   tokens (clipped to ``[1, predictor cap]``). The features are kept (at most ``max_pending``
@@ -34,7 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from treeserve.actors.verifier import SerialOffload, _body, _device, _int, _model_name, _str_or_none
+from treeserve.actors.model_host import (
+    SerialOffload,
+    check_body,
+    check_device,
+    check_int,
+    check_model_name,
+    check_str_or_none,
+)
+from treeserve.ops.length_predictor import OnlineHead, Predictor, load_predictor
+from treeserve.ops.loaders.load import load_model
 from treeserve.runtime import Actor, handler
 
 
@@ -59,17 +68,17 @@ class LengthPredictorConfig:
         unknown = sorted(str(k) for k in config if k not in known)
         if unknown:
             raise ValueError(f"unknown LengthPredictorActor config keys {unknown}; known keys: {sorted(known)}")
-        model = _model_name(config.get("model"))
-        cache_dir = _str_or_none(config.get("cache_dir"), "cache_dir")
-        predictor = _str_or_none(config.get("predictor"), "predictor")
-        device = _device(config.get("device", "cpu"))
+        model = check_model_name(config.get("model"))
+        cache_dir = check_str_or_none(config.get("cache_dir"), "cache_dir")
+        predictor = check_str_or_none(config.get("predictor"), "predictor")
+        device = check_device(config.get("device", "cpu"))
         num_threads = config.get("num_threads")
         if num_threads is not None:
-            _int(num_threads, "num_threads", minimum=1)
+            check_int(num_threads, "num_threads", minimum=1)
         online = config.get("online", True)
         if not isinstance(online, bool):
             raise ValueError(f"online must be true or false, got {online!r}")
-        max_pending = _int(config.get("max_pending", 4096), "max_pending", minimum=1)
+        max_pending = check_int(config.get("max_pending", 4096), "max_pending", minimum=1)
         return cls(model, cache_dir, device, predictor, num_threads, online, max_pending)
 
 
@@ -79,8 +88,8 @@ class LengthPredictorActor(Actor):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = LengthPredictorConfig.from_wire(config)
         self._offload = SerialOffload()
-        self._predictor: Any = None
-        self._online: Any = None
+        self._predictor: Predictor | None = None
+        self._online: OnlineHead | None = None
         self._vocab_size = 0
         self._pending: OrderedDict[str, np.ndarray] = OrderedDict()  # request_id -> features
         self._counters = {"num_predicted": 0, "num_observed": 0, "num_censored": 0, "num_unknown": 0}
@@ -92,15 +101,12 @@ class LengthPredictorActor(Actor):
         await self._offload.run(self._load)
 
     def _load(self) -> None:
-        from treeserve.models import load_model
-        from treeserve.predictor import OnlineHead, load_predictor
-
         cfg = self.config
         predictor = load_predictor(cfg.predictor)
         model = load_model(cfg.model, dtype=torch.float32, cache_dir=cfg.cache_dir).model
         self._vocab_size = model.config.vocab_size
         if predictor.spec.needs_model:
-            expected = 2 * model.config.dim + 1  # see treeserve.predictor.pooled_hidden_features
+            expected = 2 * model.config.dim + 1  # see treeserve.ops.length_predictor.pooled_hidden_features
             if predictor.mean.shape[0] != expected or predictor.spec.num_layers > model.config.num_layers:
                 raise ValueError(
                     f"predictor {cfg.predictor or 'shipped'} reads {predictor.mean.shape[0]} features of "
@@ -116,7 +122,7 @@ class LengthPredictorActor(Actor):
     @handler
     async def predict(self, body: Any) -> dict[str, float]:
         """Predicted output tokens of one chat-templated prompt (see the module docstring)."""
-        body = _body(body, ("request_id", "prompt_ids"))
+        body = check_body(body, ("request_id", "prompt_ids"))
         request_id = body["request_id"]
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -130,8 +136,8 @@ class LengthPredictorActor(Actor):
     @handler
     async def observe(self, body: Any) -> None:
         """Learn from one ended request (``is_censored`` ones are only forgotten)."""
-        body = _body(body, ("request_id", "num_generated_tokens", "is_censored"))
-        num_tokens = _int(body["num_generated_tokens"], "num_generated_tokens")
+        body = check_body(body, ("request_id", "num_generated_tokens", "is_censored"))
+        num_tokens = check_int(body["num_generated_tokens"], "num_generated_tokens")
         censored = body["is_censored"]
         if not isinstance(censored, bool):
             raise ValueError("is_censored must be true or false")
@@ -143,8 +149,13 @@ class LengthPredictorActor(Actor):
         return {**self._counters, "num_pending": len(self._pending), "is_online": self._online is not None}
 
     # ------------------------------------------------------------------ compute (worker thread)
+    def _loaded_predictor(self) -> Predictor:
+        if self._predictor is None:  # handlers run only after on_start loaded it
+            raise RuntimeError("LengthPredictorActor is not started")
+        return self._predictor
+
     def _predict(self, request_id: str, prompt: list[int]) -> float:
-        predictor = self._predictor
+        predictor = self._loaded_predictor()
         x = predictor.prompt_features(prompt)
         self._pending[request_id] = x
         self._pending.move_to_end(request_id)
@@ -158,13 +169,14 @@ class LengthPredictorActor(Actor):
         if x is None:
             self._counters["num_unknown"] += 1
             return
+        max_tokens = self._loaded_predictor().max_tokens
         # A request stopped by max_tokens below the training cap only shows a lower bound.
-        if censored and num_tokens < self._predictor.max_tokens:
+        if censored and num_tokens < max_tokens:
             self._counters["num_censored"] += 1
             return
         self._counters["num_observed"] += 1
         if self._online is not None:
-            self._online.observe(x, min(num_tokens, self._predictor.max_tokens))
+            self._online.observe(x, min(num_tokens, max_tokens))
 
 
 __all__ = ["LengthPredictorActor", "LengthPredictorConfig"]

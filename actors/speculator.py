@@ -48,14 +48,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from treeserve.actors.tree_wire import params_from_wire, split_states, tree_to_wire
-from treeserve.actors.verifier import DTYPES, SerialOffload, _body, _device, _int, _model_name, _str_or_none
+from treeserve.actors.model_host import (
+    DTYPES,
+    SerialOffload,
+    check_body,
+    check_device,
+    check_int,
+    check_model_name,
+    check_str_or_none,
+)
 from treeserve.ops.drafting import ModelSpeculator, Speculator, split_node_budget, validate_expansion
+from treeserve.ops.loaders.load import load_model
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
@@ -92,13 +101,13 @@ class SpeculatorSpec:
         if kind == "ngram":
             for name in ("max_ngram", "min_ngram", "num_draft_tokens", "num_branches"):
                 if name in options:
-                    _int(options[name], f"ngram {name}", minimum=1)
+                    check_int(options[name], f"ngram {name}", minimum=1)
         else:
             if "expansion" not in options:
                 raise ValueError(f"a {kind!r} speculator needs an 'expansion' config, e.g. [1, 1, 3, 1]")
             options["expansion"] = validate_expansion(options["expansion"])
             if kind == "self":
-                _int(options.get("layers"), "self speculator layers", minimum=1)
+                check_int(options.get("layers"), "self speculator layers", minimum=1)
             elif kind == "feature":
                 # path: a `treeserve distill-features` file (default: the shipped one); expansion:
                 # the greedy spine's widths per depth.
@@ -114,7 +123,7 @@ class SpeculatorSpec:
                 # path: a `treeserve distill` weights file (default: the shipped one); index: which SSM in it.
                 if options.get("path") is not None and (not isinstance(options["path"], str) or not options["path"]):
                     raise ValueError("a 'distilled' speculator's 'path' must be a weights file path or null")
-                options["index"] = _int(options.get("index", 0), "distilled speculator index")
+                options["index"] = check_int(options.get("index", 0), "distilled speculator index")
             elif not isinstance(options.get("model"), str) or not options["model"]:
                 raise ValueError("a 'model' speculator needs 'model': a registry name, .gguf path or folder")
         return cls(kind, options)
@@ -141,23 +150,33 @@ class SpeculatorConfig:
         unknown = sorted(str(k) for k in config if k not in known)
         if unknown:
             raise ValueError(f"unknown SpeculatorActor config keys {unknown}; known keys: {sorted(known)}")
-        model = _model_name(config.get("model"))
+        model = check_model_name(config.get("model"))
         specs = config.get("speculators", [])
         if not isinstance(specs, (list, tuple)):
             raise ValueError("speculators must be a list of {'kind': ...} maps")
         dtype = config.get("dtype", "float32")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        device = _device(config.get("device", "cpu"))
-        cache_dir = _str_or_none(config.get("cache_dir"), "cache_dir")
+        device = check_device(config.get("device", "cpu"))
+        cache_dir = check_str_or_none(config.get("cache_dir"), "cache_dir")
         capacity = config.get("capacity")
         if capacity is not None:
-            _int(capacity, "capacity", minimum=2)
+            check_int(capacity, "capacity", minimum=2)
         num_threads = config.get("num_threads")
         if num_threads is not None:
-            _int(num_threads, "num_threads", minimum=1)
+            check_int(num_threads, "num_threads", minimum=1)
         specs_tuple = tuple(SpeculatorSpec.from_wire(s) for s in specs)
         return cls(model, specs_tuple, cache_dir, dtype, device, capacity, num_threads)
+
+
+@runtime_checkable
+class _FeatureUser(Protocol):
+    """A speculator that drafts from the LLM's hidden states (``uses_features = True``, as
+    :class:`~treeserve.ops.feature_drafter.FeatureSpeculator`), which receives them by ``add_features``."""
+
+    uses_features: bool
+
+    def add_features(self, states: Tensor) -> None: ...
 
 
 @dataclass
@@ -190,8 +209,6 @@ class SpeculatorActor(Actor):
         await self._offload.run(self._load)
 
     def _load(self) -> None:
-        from treeserve.models import load_model
-
         cfg = self.config
         # The drafters read the LM's embedding and head (feature, distilled) or run its first
         # blocks (self:K): in the served format, on the format's kernels, not compiled (a
@@ -229,7 +246,7 @@ class SpeculatorActor(Actor):
     @handler
     async def start(self, body: Any) -> None:
         """Create (or reset) ``request_id``'s speculators over ``prompt_ids``."""
-        body = _body(body, ("request_id", "prompt_ids"))
+        body = check_body(body, ("request_id", "prompt_ids"))
         request_id = _request_id(body["request_id"])
         prompt = _token_list(body["prompt_ids"], "prompt_ids", self._vocab_size())
         if not prompt:
@@ -239,13 +256,13 @@ class SpeculatorActor(Actor):
     @handler
     async def propose(self, body: Any) -> dict[str, Any]:
         """Advance each request by its ``new_tokens`` and draft its merged token tree."""
-        body = _body(body, ("requests",), ("states",))
+        body = check_body(body, ("requests",), ("states",))
         entries = body["requests"]
         if not isinstance(entries, (list, tuple)):
             raise ValueError("propose needs a list 'requests'")
         vocab = self._vocab_size()
-        checked = [_body(e, ("request_id", "new_tokens", "max_depth", "params"), ("history", "max_nodes", "num_states"))
-                   for e in entries]
+        checked = [check_body(e, ("request_id", "new_tokens", "max_depth", "params"),
+                              ("history", "max_nodes", "num_states")) for e in entries]
         counts = [e.get("num_states") for e in checked]
         per_request: list[Tensor | None] = [None] * len(checked)
         if any(count is not None for count in counts):
@@ -260,10 +277,10 @@ class SpeculatorActor(Actor):
             parsed.append((
                 _request_id(entry["request_id"]),
                 _token_list(entry["new_tokens"], "new_tokens", vocab),
-                _int(entry["max_depth"], "max_depth"),
+                check_int(entry["max_depth"], "max_depth"),
                 params_from_wire(entry["params"]),
                 None if history is None else _token_list(history, "history", vocab),
-                None if max_nodes is None else _int(max_nodes, "max_nodes", minimum=1),
+                None if max_nodes is None else check_int(max_nodes, "max_nodes", minimum=1),
                 states,
             ))
         trees, missing = await self._offload.run(self._propose_all, parsed)
@@ -272,7 +289,7 @@ class SpeculatorActor(Actor):
     @handler
     async def release(self, body: Any) -> None:
         """Forget ``request_id`` (idempotent)."""
-        body = _body(body, ("request_id",))
+        body = check_body(body, ("request_id",))
         request_id = _request_id(body["request_id"])
         await self._offload.run(self._states.pop, request_id, None)
 
@@ -334,8 +351,8 @@ class SpeculatorActor(Actor):
             if states is not None and states.shape[0]:
                 # The LLM's states of the tokens before the root (all of them with a history).
                 for speculator in state.speculators:
-                    if getattr(speculator, "uses_features", False):
-                        speculator.add_features(states)  # type: ignore[attr-defined]
+                    if isinstance(speculator, _FeatureUser) and speculator.uses_features:
+                        speculator.add_features(states)
             trees.append(self._draft(state, params, max_depth, max_nodes))
         return trees, missing
 

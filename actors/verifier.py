@@ -39,15 +39,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from treeserve.actors.model_host import (
+    DTYPES,
+    SerialOffload,
+    check_body,
+    check_device,
+    check_int,
+    check_model_name,
+    check_str_or_none,
+    consume_exception,
+)
 from treeserve.actors.tree_wire import params_from_wire, stack_states, tree_from_wire
 from treeserve.ops.batch_step import (
     RowStep,
@@ -55,8 +65,9 @@ from treeserve.ops.batch_step import (
     verify_rows,
     verify_rows_with_states,
 )
-from treeserve.ops.formats import AUTO_FORMAT, FORMAT_NAMES
+from treeserve.ops.formats import AUTO_FORMAT
 from treeserve.ops.kv_cache import KVCache
+from treeserve.ops.loaders.load import load_model, prepare_for_serving
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator
 from treeserve.ops.token_tree import TokenTree
@@ -64,45 +75,6 @@ from treeserve.ops.verify import VerificationError, VerifyFn, VerifyResult, veri
 from treeserve.runtime import Actor, handler
 
 _log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-DTYPES: tuple[str, ...] = FORMAT_NAMES
-"""Accepted ``dtype`` config values: the weight formats (``treeserve.ops.formats``)."""
-
-
-def _int(value: Any, name: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _model_name(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"model must be a registry name, .gguf path or folder, got {value!r}")
-    return value
-
-
-def _device(value: Any) -> str:
-    if not isinstance(value, str) or not (value == "cpu" or value.startswith("cuda")):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
-    return value
-
-
-def _str_or_none(value: Any, name: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{name} must be a string or null, got {value!r}")
-    return value
-
-
-def _body(body: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise ValueError(f"the request body must be a map with fields {list(required)}, got {type(body).__name__}")
-    missing = [k for k in required if k not in body]
-    unknown = sorted(str(k) for k in body if k not in required and k not in optional)
-    if missing or unknown:
-        raise ValueError(f"request body: missing fields {missing}, unknown fields {unknown}")
-    return body
 
 
 @dataclass(frozen=True)
@@ -128,25 +100,25 @@ class VerifierConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        _model_name(self.model)
-        _str_or_none(self.cache_dir, "cache_dir")
+        check_model_name(self.model)
+        check_str_or_none(self.cache_dir, "cache_dir")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        _int(self.tp_size, "tp_size", minimum=1)
-        _int(self.tp_rank, "tp_rank")
+        check_int(self.tp_size, "tp_size", minimum=1)
+        check_int(self.tp_rank, "tp_rank")
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank must be < tp_size ({self.tp_size}), got {self.tp_rank}")
         if self.tp_size > 1 and not (isinstance(self.dist_init, str) and self.dist_init.startswith(("tcp://", "file://"))):
             raise ValueError(f"tp_size > 1 needs dist_init like 'tcp://127.0.0.1:PORT', got {self.dist_init!r}")
-        _device(self.device)
-        _int(self.num_rows, "num_rows", minimum=1)
+        check_device(self.device)
+        check_int(self.num_rows, "num_rows", minimum=1)
         if self.row_capacity is not None:
-            _int(self.row_capacity, "row_capacity", minimum=2)
+            check_int(self.row_capacity, "row_capacity", minimum=2)
         if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
                 or not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
         if self.num_threads is not None:
-            _int(self.num_threads, "num_threads", minimum=1)
+            check_int(self.num_threads, "num_threads", minimum=1)
 
     @classmethod
     def from_wire(cls, config: Any) -> VerifierConfig:
@@ -160,42 +132,10 @@ class VerifierConfig:
         return cls(**config)
 
 
-class SerialOffload:
-    """Runs blocking compute in a worker thread, one call at a time, cancellation-safe.
-
-    A cancelled caller stops waiting, but its compute runs to completion (shielded) and the
-    next call waits for it, so state mutated by the compute (a KV cache) is never touched by
-    two calls at once nor left half-updated.
-    """
-
-    def __init__(self) -> None:
-        self._last: asyncio.Future[Any] | None = None
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in a thread after every earlier call finished; return its result."""
-        previous = self._last
-        if previous is not None and not previous.done():
-            await asyncio.wait([previous])
-        future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        future.add_done_callback(_consume_exception)
-        self._last = future
-        return await asyncio.shield(future)
-
-    async def drain(self) -> None:
-        """Wait until the last started compute has finished (its result is not needed)."""
-        if self._last is not None and not self._last.done():
-            await asyncio.wait([self._last])
-
-
 def _zero_row(cache: KVCache, row: int) -> None:
     cache.reset_row(row)
     for tensor in (*cache.keys, *cache.values):  # (B, n_kv, capacity, hd) each
         tensor[row].zero_()
-
-
-def _consume_exception(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()  # marks it retrieved when its caller was cancelled
 
 
 class VerifierShard(Actor):
@@ -219,8 +159,6 @@ class VerifierShard(Actor):
         The rendezvous waits for every rank, so it runs in the background: ranks may be
         spawned one after the other. Handlers wait for it to finish.
         """
-        from treeserve.models import load_model
-
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
@@ -240,7 +178,7 @@ class VerifierShard(Actor):
             "tp_size": cfg.tp_size,
         }
         self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, loaded.source, capacity))
-        self._setup.add_done_callback(_consume_exception)
+        self._setup.add_done_callback(consume_exception)
 
     async def on_stop(self) -> None:
         """Let running compute finish, then leave the process group."""
@@ -275,8 +213,6 @@ class VerifierShard(Actor):
             )
             self._has_group = True
             model = apply_tp(model, cfg.tp_rank, cfg.tp_size, distributed_all_reduce())
-        from treeserve.models import prepare_for_serving
-
         model = model.to(cfg.device)
         # q4_1 takes the GGUF's blocks whole, which a tensor-parallel shard does not hold: auto
         # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
@@ -307,7 +243,7 @@ class VerifierShard(Actor):
         (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
         row count, see ``tree_wire.stack_states``). Every entry is checked before any row is
         reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
-        body = _body(body, ("rows",), ("rank0_answers",))
+        body = check_body(body, ("rows",), ("rank0_answers",))
         acks_only = self._acks_only(body)
         model, cache = await self._ready()
         entries = body["rows"]
@@ -316,7 +252,7 @@ class VerifierShard(Actor):
         jobs: list[tuple[int, list[int]]] = []
         wants: list[bool] = []
         for entry in entries:
-            entry = _body(entry, ("row", "prompt_ids"), ("return_states",))
+            entry = check_body(entry, ("row", "prompt_ids"), ("return_states",))
             prompt = entry["prompt_ids"]
             if not isinstance(prompt, (list, tuple)) or not prompt:
                 raise ValueError("prompt_ids must be a non-empty list of token ids")
@@ -352,7 +288,7 @@ class VerifierShard(Actor):
         ``"states"`` stacks the rows' final hidden states of their accepted nodes, root first
         (float32 ``(sum len(accepted), D)`` in row order; failed rows have none). ``None`` on
         ranks >= 1 of a ``rank0_answers`` call."""
-        body = _body(body, ("rows",), ("return_states", "rank0_answers"))
+        body = check_body(body, ("rows",), ("return_states", "rank0_answers"))
         acks_only = self._acks_only(body)
         model, cache = await self._ready()
         entries = body["rows"]
@@ -360,7 +296,7 @@ class VerifierShard(Actor):
             raise ValueError("step needs a non-empty list 'rows'")
         steps: list[RowStep] = []
         for entry in entries:
-            entry = _body(entry, ("row", "tree", "params", "request_id"))
+            entry = check_body(entry, ("row", "tree", "params", "request_id"))
             request_id = entry["request_id"]
             if not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a string, got {request_id!r}")
@@ -395,7 +331,7 @@ class VerifierShard(Actor):
     @handler
     async def release(self, body: Any) -> None:
         """Forget ``row``'s KV cache and ``request_id``'s generator (idempotent)."""
-        body = _body(body, ("row", "request_id"))
+        body = check_body(body, ("row", "request_id"))
         _model, cache = await self._ready()
         row = self._row(body["row"])
         self._generators.pop(str(body["request_id"]), None)
@@ -418,7 +354,7 @@ class VerifierShard(Actor):
         return flag and self.config.tp_rank > 0
 
     def _row(self, value: Any) -> int:
-        row = _int(value, "row")
+        row = check_int(value, "row")
         if row >= self.config.num_rows:
             raise ValueError(f"row {row} out of range: this verifier has {self.config.num_rows} rows")
         return row
@@ -530,7 +466,6 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
 __all__ = [
     "DTYPES",
     "RowVerificationFailed",
-    "SerialOffload",
     "VerifierConfig",
     "VerifierShard",
     "rank0_broadcast_verifier",

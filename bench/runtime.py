@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from treeserve.runtime import ActorRef, ChildTransport, Runtime, RuntimeConfig
-from treeserve.runtime.testing import EchoActor
+from treeserve.testing.runtime_actors import EchoActor
 
 SMALL_BODY = {"tokens": [1, 2, 3, 4], "note": "x" * 16}
 TENSOR_BYTES = 16 * 1024 * 1024

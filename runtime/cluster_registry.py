@@ -12,7 +12,6 @@ from treeserve.runtime.cluster_config import RegistryConfig
 from treeserve.runtime.cluster_liveness import PingJudge, Verdict
 from treeserve.runtime.errors import ActorDeadError, ActorError
 from treeserve.runtime.ref import ActorRef
-from treeserve.runtime.tasks import TaskOwner
 
 __all__ = ["ClusterRegistry", "NodeRecord"]
 
@@ -57,11 +56,10 @@ class ClusterRegistry(Actor):
         self.dropped: list[NodeRecord] = []
         self._nodes: dict[str, NodeRecord] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._tasks = TaskOwner("cluster-registry")
         self._changed = asyncio.Event()
 
     async def on_stop(self) -> None:
-        await self._tasks.aclose(_STOP_TIMEOUT_S)
+        await self.tasks.aclose(_STOP_TIMEOUT_S)  # the node watchers
 
     @property
     def nodes(self) -> list[NodeRecord]:
@@ -108,7 +106,7 @@ class ClusterRegistry(Actor):
             old.cancel()
         self.node.mark_up(node_id)
         self._nodes[node_id] = NodeRecord(agent, info)
-        self._watchers[node_id] = self._tasks.start(self._watch(node_id), f"watch {node_id}")
+        self._watchers[node_id] = self.tasks.start(self._watch(node_id), f"watch {node_id}")
         _log.info("cluster: node %s joined with devices %s", node_id, info.get("devices"))
         self._changed.set()
         return {"node_id": node_id, "num_nodes": len(self._nodes)}

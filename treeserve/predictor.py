@@ -1,21 +1,10 @@
-"""Output-length proxy model for SSJF: predicts how many tokens the served model will generate.
+"""Training the SSJF output-length predictor, and the ``treeserve train-predictor`` command.
 
-A :class:`Predictor` is a ridge-regression head on ``log1p(output tokens)`` over one of three
-feature sets (:class:`FeatureSpec`):
-
-* ``hidden``: the prompt's hidden states after the served model's first ``num_layers`` blocks
-  (run through ``Transformer.truncated``, final norm applied), mean-pooled over the prompt and
-  at its last token, plus ``log1p(prompt length)``. Costs ``num_layers / num_layers_total`` of
-  a prefill, and needs the model (it lives in the verifier/speculator processes).
-* ``tokens``: a hashed set (0/1 presence) of prompt token ids (``num_buckets`` buckets) plus
-  ``log1p(prompt length)``. No model; microseconds, so it can run in the scheduler itself.
-* ``prompt_len``: ``log1p(prompt length)`` alone, the baseline the issue compares against.
-
-Training (:func:`train_predictor`) standardises features, picks the ridge strength by k-fold
-cross-validation on the training split and reports held-out metrics (:func:`evaluate`: MAE
-in tokens, bucket accuracy, Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus
-one JSON metadata string; no pickle). :class:`OnlineHead` refines a trained head from completed
-requests at bounded cost. ``main`` is the ``treeserve train-predictor`` entry point.
+The predictor itself (features, the ridge head, ``load_predictor``, ``OnlineHead``) lives below
+the actors, in :mod:`treeserve.ops.length_predictor`, and its names are re-exported here.
+:func:`train_predictor` reports cross-validated held-out metrics of the saved feature set and
+of every compared one, on prompts recorded by ``bench/predictor_data.py``
+(:func:`load_length_data`). ``main`` is the ``treeserve train-predictor`` entry point.
 """
 
 from __future__ import annotations
@@ -24,301 +13,68 @@ import argparse
 import csv
 import hashlib
 import json
-import logging
-import math
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from treeserve.ops.length_predictor import (
+    BUCKET_EDGES,
+    DEFAULT_ALPHAS,
+    DEFAULT_PREDICTOR_FILE,
+    FEATURE_KINDS,
+    FeatureSpec,
+    OnlineHead,
+    Predictor,
+    PredictorError,
+    bucket_of,
+    evaluate,
+    features,
+    fit_predictor,
+    kendall_tau,
+    load_predictor,
+    pooled_hidden_features,
+    prompt_hidden,
+    token_features,
+)
+
 if TYPE_CHECKING:
     from treeserve.ops.model import Transformer
 
-log = logging.getLogger(__name__)
-
-FEATURE_KINDS = ("hidden", "tokens", "prompt_len")
-DEFAULT_PREDICTOR_FILE = "data/predictor_smollm2-135m-instruct.npz"
-BUCKET_EDGES = (64, 128, 256, 512)
-"""Bucket ``i`` holds lengths in ``[edges[i-1], edges[i])``; the last bucket is ``>= 512`` (capped)."""
-DEFAULT_ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
-_FORMAT_VERSION = 1
-
-
-class PredictorError(ValueError):
-    """A predictor file, dataset or argument is unusable; the message says why."""
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """Which features a predictor reads: ``kind`` in :data:`FEATURE_KINDS`; ``num_layers``
-    (blocks of the served model, ``hidden`` only); ``num_buckets`` (hash buckets, ``tokens`` only)."""
-
-    kind: str = "hidden"
-    num_layers: int = 4
-    num_buckets: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.kind not in FEATURE_KINDS:
-            raise PredictorError(f"feature kind must be one of {FEATURE_KINDS}, got {self.kind!r}")
-        if self.num_layers < 1 or self.num_buckets < 1:
-            raise PredictorError("num_layers and num_buckets must be >= 1")
-
-    @property
-    def needs_model(self) -> bool:
-        """Whether computing the features runs the served model's first layers."""
-        return self.kind == "hidden"
-
-
-# ---------------------------------------------------------------------------------- features
-def token_features(prompt_ids: Sequence[int], num_buckets: int) -> np.ndarray:
-    """Hashed set of token ids (1.0 where some prompt id hashes, ``(num_buckets,)``) then ``log1p(len)``.
-
-    Presence rather than counts: "the prompt contains *essay*" is the signal, and a 0/1
-    indicator keeps it independent of the prompt's length (which has its own feature).
-    """
-    present = np.zeros(num_buckets, dtype=np.float64)
-    if prompt_ids:
-        # Multiplicative hashing spreads neighbouring ids (similar BPE pieces) over buckets.
-        ids = (np.asarray(prompt_ids, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(num_buckets)
-        present[ids.astype(np.int64)] = 1.0
-    return np.concatenate([present, [math.log1p(len(prompt_ids))]])
-
-
-def pooled_hidden_features(hidden: np.ndarray) -> np.ndarray:
-    """``hidden`` ``(T, D)`` of one prompt -> ``[mean over T, last row, log1p(T)]`` ``(2D + 1,)``."""
-    if hidden.ndim != 2 or hidden.shape[0] == 0:
-        raise PredictorError(f"hidden must be (T, D) with T >= 1, got shape {hidden.shape}")
-    hidden = hidden.astype(np.float64)
-    return np.concatenate([hidden.mean(axis=0), hidden[-1], [math.log1p(hidden.shape[0])]])
-
-
-def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
-    """Final-normed hidden states ``(T, D)`` of ``model`` over the prompt (one causal prefill).
-
-    Runs ``Transformer.forward``'s blocks without the LM head: for a truncated model the
-    ``(T, vocab)`` logits would cost more than the few blocks themselves. The test suite checks
-    the result against ``model(..., return_hidden=True)``.
-    """
-    import torch
-
-    cache = model.new_cache(1, len(prompt_ids))
-    with torch.inference_mode():
-        h = model.embed_tokens(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device))  # (1, T, D)
-        h = model.norm(model.run_blocks(h, cache, None, None))
-    out: np.ndarray = h[0].float().cpu().numpy()
-    return out
-
-
-def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
-    """The feature vector of one prompt under ``spec`` (``model``: the truncated model for ``hidden``)."""
-    if not prompt_ids:
-        raise PredictorError("prompt_ids must not be empty")
-    if spec.kind == "prompt_len":
-        return np.array([math.log1p(len(prompt_ids))])
-    if spec.kind == "tokens":
-        return token_features(prompt_ids, spec.num_buckets)
-    if model is None:
-        raise PredictorError("hidden features need the served model (pass model=...)")
-    if model.config.num_layers != spec.num_layers:
-        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
-                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
-    return pooled_hidden_features(prompt_hidden(model, prompt_ids))
-
-
-# ---------------------------------------------------------------------------------- metrics
-def kendall_tau(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
-    """Kendall's tau-b of two equal-length samples (ties in either handled); 0.0 when undefined.
-
-    O(n^2) memory-chunked pair counting: fine for the few thousand points evaluated here.
-    """
-    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise PredictorError(f"kendall_tau needs two 1-D samples of one length, got {a.shape} and {b.shape}")
-    n = a.size
-    concordant_minus_discordant = 0.0
-    num_untied_a = num_untied_b = 0.0
-    for start in range(0, n, 512):
-        da = np.sign(a[start:start + 512, None] - a[None, :])  # (chunk, n)
-        db = np.sign(b[start:start + 512, None] - b[None, :])
-        concordant_minus_discordant += float((da * db).sum())
-        num_untied_a += float((da != 0).sum())
-        num_untied_b += float((db != 0).sum())
-    if num_untied_a == 0 or num_untied_b == 0:
-        return 0.0
-    return concordant_minus_discordant / math.sqrt(num_untied_a * num_untied_b)
-
-
-def bucket_of(lengths: np.ndarray, edges: Sequence[int] = BUCKET_EDGES) -> np.ndarray:
-    """Bucket index of each length (see :data:`BUCKET_EDGES`)."""
-    return np.searchsorted(np.asarray(edges), np.asarray(lengths, dtype=np.float64), side="right")
-
-
-def evaluate(predicted: np.ndarray, true: np.ndarray) -> dict[str, float]:
-    """Held-out figures: ``mae_tokens``, ``bucket_accuracy``, ``kendall_tau``, ``num``."""
-    predicted, true = np.asarray(predicted, dtype=np.float64), np.asarray(true, dtype=np.float64)
-    return {
-        "num": float(true.size),
-        "mae_tokens": float(np.abs(predicted - true).mean()) if true.size else 0.0,
-        "bucket_accuracy": float((bucket_of(predicted) == bucket_of(true)).mean()) if true.size else 0.0,
-        "kendall_tau": kendall_tau(predicted, true),
-    }
-
-
-# ---------------------------------------------------------------------------------- the head
-def _ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
-    """Ridge on centred data: weights ``(F,)`` and intercept (the intercept is not penalised)."""
-    x_mean, y_mean = x.mean(axis=0), float(y.mean())
-    xc, yc = x - x_mean, y - y_mean
-    num, dim = xc.shape
-    if dim <= num:
-        w = np.linalg.solve(xc.T @ xc + alpha * np.eye(dim), xc.T @ yc)
-    else:  # dual form: an (n, n) system when features outnumber examples
-        w = xc.T @ np.linalg.solve(xc @ xc.T + alpha * np.eye(num), yc)
-    return w, y_mean - float(x_mean @ w)
-
-
-@dataclass
-class Predictor:
-    """A trained length predictor: standardisation, ridge weights and metadata.
-
-    ``predict_features(x)`` returns predicted output tokens clipped to ``[1, max_tokens]``
-    (``max_tokens``: the generation cap of the training data). ``meta`` records provenance.
-    """
-
-    spec: FeatureSpec
-    mean: np.ndarray
-    scale: np.ndarray
-    weights: np.ndarray
-    intercept: float
-    max_tokens: int
-    meta: dict[str, Any] = field(default_factory=dict)
-    _truncated: Any = field(default=None, repr=False, compare=False)
-
-    def predict_features(self, x: np.ndarray) -> np.ndarray | float:
-        """Predicted output tokens for one feature vector ``(F,)`` (a float) or a batch ``(N, F)``."""
-        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.scale
-        log_len = z @ self.weights + self.intercept
-        out = np.clip(np.expm1(log_len), 1.0, float(self.max_tokens))
-        return float(out) if np.ndim(out) == 0 else out
-
-    def bind(self, model: Transformer) -> Predictor:
-        """Attach the served model (``hidden`` features run its first ``num_layers`` blocks)."""
-        if self.spec.needs_model:
-            self._truncated = model.truncated(self.spec.num_layers)
-        return self
-
-    def predict_from_prompt_ids(self, prompt_ids: Sequence[int], model: Transformer | None = None) -> float:
-        """Predicted output tokens of one prompt (chat-templated ids, as the scheduler sees them).
-
-        ``hidden`` predictors need the served model: pass it here or :meth:`bind` it once.
-        """
-        truncated = self._truncated
-        if self.spec.needs_model and model is not None:
-            truncated = model.truncated(self.spec.num_layers)
-        value = self.predict_features(features(self.spec, prompt_ids, truncated))
-        assert isinstance(value, float)
-        return value
-
-    predict = predict_from_prompt_ids
-
-    def prompt_features(self, prompt_ids: Sequence[int]) -> np.ndarray:
-        """The feature vector of one prompt (``hidden`` predictors need :meth:`bind` first)."""
-        return features(self.spec, prompt_ids, self._truncated)
-
-    def save(self, path: str | Path) -> None:
-        """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
-        meta = {"format_version": _FORMAT_VERSION, "spec": self.spec.__dict__, "max_tokens": self.max_tokens,
-                "intercept": self.intercept, **{"meta": self.meta}}
-        with Path(path).open("wb") as handle:
-            np.savez_compressed(handle, mean=self.mean.astype(np.float32), scale=self.scale.astype(np.float32),
-                                weights=self.weights.astype(np.float32), meta=np.array(json.dumps(meta)))
-
-
-def load_predictor(path: str | Path | None = None) -> Predictor:
-    """Load a predictor saved by :meth:`Predictor.save`; ``None``: the shipped default one."""
-    try:
-        if path is None:
-            handle = resources.files("treeserve.ops").joinpath(DEFAULT_PREDICTOR_FILE).open("rb")
-        else:
-            handle = Path(path).open("rb")
-        with handle, np.load(handle, allow_pickle=False) as data:
-            meta = json.loads(str(data["meta"]))
-            arrays = {k: data[k].astype(np.float64) for k in ("mean", "scale", "weights")}
-    except (OSError, KeyError, ValueError) as exc:
-        raise PredictorError(f"cannot load predictor {path or DEFAULT_PREDICTOR_FILE}: {exc}") from exc
-    if meta.get("format_version") != _FORMAT_VERSION:
-        raise PredictorError(f"unsupported predictor format {meta.get('format_version')!r}")
-    return Predictor(FeatureSpec(**meta["spec"]), arrays["mean"], arrays["scale"], arrays["weights"],
-                     float(meta["intercept"]), int(meta["max_tokens"]), meta.get("meta", {}))
-
-
-def fit_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
-                  alphas: Sequence[float] = DEFAULT_ALPHAS, num_folds: int = 5, seed: int = 0) -> Predictor:
-    """Fit a ridge head on ``log1p(lengths)``; the ridge strength is chosen by k-fold CV (MSE)."""
-    x, y = np.asarray(x, dtype=np.float64), np.log1p(np.asarray(lengths, dtype=np.float64))
-    if x.ndim != 2 or x.shape[0] != y.size or y.size < 2:
-        raise PredictorError(f"need an (N, F) feature matrix and N >= 2 lengths, got {x.shape} and {y.size}")
-    mean, scale = x.mean(axis=0), x.std(axis=0)
-    scale = np.where(scale > 1e-12, scale, 1.0)
-    z = (x - mean) / scale
-    folds = np.random.default_rng(seed).permutation(y.size) % max(2, min(num_folds, y.size))
-    best_alpha, best_err = alphas[0], math.inf
-    for alpha in alphas:
-        err = 0.0
-        for k in np.unique(folds):
-            w, b = _ridge(z[folds != k], y[folds != k], alpha)
-            err += float(((z[folds == k] @ w + b - y[folds == k]) ** 2).sum())
-        if err < best_err:
-            best_alpha, best_err = alpha, err
-    w, b = _ridge(z, y, best_alpha)
-    return Predictor(spec, mean, scale, w, b, max_tokens, {"alpha": best_alpha, "num_train": int(y.size)})
-
-
-class OnlineHead:
-    """Refines a trained predictor from completed requests, at bounded cost.
-
-    Keeps the last ``buffer_size`` (features, true length) pairs and, every ``refit_every``
-    observations, re-solves ridge *towards the trained weights* on that buffer:
-    ``w = argmin |Z w + b - y|^2 + alpha |w - w0|^2`` (dual form, O(N^2 F + N^3) with
-    N = ``buffer_size``), so a few requests nudge the head and many override it.
-    """
-
-    def __init__(self, predictor: Predictor, *, buffer_size: int = 256, refit_every: int = 32,
-                 alpha: float | None = None) -> None:
-        if buffer_size < 1 or refit_every < 1:
-            raise PredictorError("buffer_size and refit_every must be >= 1")
-        self.predictor = predictor
-        self._w0, self._b0 = predictor.weights.copy(), predictor.intercept
-        self._alpha = float(alpha if alpha is not None else predictor.meta.get("alpha", 10.0))
-        self._buffer: deque[tuple[np.ndarray, float]] = deque(maxlen=buffer_size)
-        self._refit_every = refit_every
-        self.num_observed = 0
-
-    def observe(self, x: np.ndarray, true_len: int) -> None:
-        """Record one completed request (its features and real output length)."""
-        self._buffer.append((np.asarray(x, dtype=np.float64), math.log1p(max(0, true_len))))
-        self.num_observed += 1
-        if self.num_observed % self._refit_every == 0:
-            self.refit()
-
-    def refit(self) -> None:
-        """Re-solve the head on the buffer (regularised towards the trained weights)."""
-        if not self._buffer:
-            return
-        p = self.predictor
-        z = (np.stack([x for x, _ in self._buffer]) - p.mean) / p.scale  # (N, F)
-        y = np.array([t for _, t in self._buffer])
-        residual = y - (z @ self._w0 + self._b0)
-        # Intercept shift: mean residual, shrunk like one extra feature of value 1.
-        zc, rc = z - z.mean(axis=0), residual - residual.mean()
-        delta = zc.T @ np.linalg.solve(zc @ zc.T + self._alpha * np.eye(len(y)), rc)
-        p.weights = self._w0 + delta
-        p.intercept = self._b0 + float(residual.mean() - z.mean(axis=0) @ delta) * len(y) / (len(y) + self._alpha)
+__all__ = [
+    "BUCKET_EDGES",
+    "DEFAULT_ALPHAS",
+    "DEFAULT_PREDICTOR_FILE",
+    "FEATURE_KINDS",
+    "FeatureSpec",
+    "LengthExample",
+    "OnlineHead",
+    "Predictor",
+    "PredictorError",
+    "TrainReport",
+    "add_arguments",
+    "bucket_of",
+    "evaluate",
+    "feature_matrix",
+    "features",
+    "fit_predictor",
+    "held_out_by_dataset",
+    "kendall_tau",
+    "load_length_data",
+    "load_predictor",
+    "main",
+    "pooled_hidden_features",
+    "prompt_hidden",
+    "read_length_csv",
+    "run",
+    "spec_name",
+    "token_features",
+    "train_predictor",
+    "write_predictions",
+]
 
 
 # ---------------------------------------------------------------------------------- data

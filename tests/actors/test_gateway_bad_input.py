@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from treeserve.actors.gateway import GatewayConfig
-from treeserve.actors.gateway_testing import fake_gateway
+from treeserve.testing.gateway_fakes import fake_gateway
 from treeserve.client import Client, InvalidRequestError, ServerError
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Message, Request, StreamEnd

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from treeserve.actors.gateway import GatewayActor, GatewayConfig
-from treeserve.actors.gateway_testing import (
+from treeserve.testing.gateway_fakes import (
     ByteTokenizer,
     expected_echo,
     fake_gateway,

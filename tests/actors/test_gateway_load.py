@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway import GatewayActor, GatewayConfig
-from treeserve.actors.gateway_testing import expected_echo, fake_gateway
+from treeserve.testing.gateway_fakes import expected_echo, fake_gateway
 from treeserve.client import Client
 from treeserve.transport.messages import Message, StreamItem
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway import GatewayConfig
-from treeserve.actors.gateway_testing import fake_gateway
+from treeserve.testing.gateway_fakes import fake_gateway
 from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
 from treeserve.client import Client, ServerError
 from treeserve.runtime import Actor, Runtime, handler

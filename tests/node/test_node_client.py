@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from treeserve.actors.gateway import GatewayConfig
-from treeserve.actors.gateway_testing import ByteTokenizer, expected_echo, fake_gateway
+from treeserve.testing.gateway_fakes import ByteTokenizer, expected_echo, fake_gateway
 
 HERE = Path(__file__).resolve().parent
 NODE = shutil.which("node")

@@ -8,7 +8,7 @@ import json
 import sys
 
 from treeserve.runtime import Runtime, RuntimeConfig
-from treeserve.runtime.testing import WorkerActor
+from treeserve.testing.runtime_actors import WorkerActor
 
 
 async def main() -> None:

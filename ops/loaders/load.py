@@ -1,0 +1,288 @@
+"""``load_model``: a model by registry name, ``.gguf`` path, converted folder or Hugging Face
+folder, and ``prepare_for_serving``: its weight format and compiled decode step.
+
+The first :func:`load_model` of a GGUF dequantizes it once and saves a *converted* folder
+(float32 ``model.safetensors`` + ``treeserve-config.json`` +
+``tokenizer.json``/``tokenizer_config.json``) so later starts only read safetensors. The int
+formats' packed buffers and the compiled decode step are cached too (see
+:func:`prepare_for_serving`). Registry names are pulled first (:mod:`treeserve.ops.loaders.registry`).
+Progress goes to an optional callback; this module never prints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from treeserve.ops.formats import PREPARED_KERNELS, Q4Blocks, WeightFormat, apply_format, prepared_buffers, resolve_format
+from treeserve.ops.loaders.registry import (
+    DEFAULT_MODEL,
+    REGISTRY,
+    ModelLoadError,
+    Progress,
+    ProgressCallback,
+    pull,
+    report_progress,
+    resolve_cache_dir,
+)
+from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CONVERTED_FORMAT_VERSION = 1
+CONFIG_FILE = "treeserve-config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load_model` returns: the model (eval mode), its tokenizer and config.
+
+    ``source`` is the file or folder the weights came from; ``was_converted`` is True when
+    this call dequantized a GGUF (slow path), False when it read a converted cache or HF
+    folder; ``load_seconds`` is the wall time of the call.
+    """
+
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: Path
+    was_converted: bool
+    load_seconds: float
+
+
+def converted_dir_for(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
+    """Where the converted cache of a GGUF lives (keyed by file name, size and mtime)."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return resolve_cache_dir(cache_dir) / "converted" / f"{gguf_path.stem}-{key}-v{CONVERTED_FORMAT_VERSION}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressCallback | None = None) -> None:
+    """Dequantize ``gguf_path`` once and write a converted folder (written atomically)."""
+    from safetensors.torch import save_file
+
+    import gguf
+
+    from treeserve.ops.loaders.gguf import read_gguf_reader
+
+    report_progress(progress, "convert", f"dequantizing {gguf_path.name} (one time)")
+    reader = gguf.GGUFReader(str(gguf_path))
+    model = read_gguf_reader(reader)
+    tokenizer = Tokenizer.from_gguf_reader(reader)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        save_file(model.state_dict, str(tmp / WEIGHTS_FILE))
+        meta = {"format_version": CONVERTED_FORMAT_VERSION, "architecture": model.architecture,
+                "source": str(gguf_path), "config": asdict(model.config)}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        tokenizer.save(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_converted(folder: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+    """Load a folder written by :func:`convert_gguf`."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    config = ModelConfig(**meta["config"])
+    model = Transformer.from_state_dict(config, load_file(str(folder / WEIGHTS_FILE)), dtype=dtype)
+    return model, Tokenizer.from_folder(folder)
+
+
+def load_model(
+    name_or_path: str | Path = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | Path | None = None,
+    progress: ProgressCallback | None = None,
+    weight_format: str | WeightFormat | None = None,
+    compile_decode: bool = True,
+) -> LoadedModel:
+    """Load a model by registry name, ``.gguf`` path, converted folder or Hugging Face folder.
+
+    Registry names are pulled first if needed. GGUF files are converted once into the cache
+    dir and later loads read that converted copy. Weights end up in ``dtype``; with
+    ``weight_format`` they are loaded in float32 and put into that format for serving
+    (:func:`prepare_for_serving`, which also compiles the decode step unless ``compile_decode``
+    is False), and ``dtype`` is ignored.
+    """
+    if weight_format is not None:
+        dtype = torch.float32
+    started = time.perf_counter()
+    was_converted = False
+    path = Path(name_or_path).expanduser()
+    if isinstance(name_or_path, str) and name_or_path in REGISTRY:
+        path = pull(name_or_path, cache_dir, progress=progress)
+    if path.is_file() and path.suffix == ".gguf":
+        folder = converted_dir_for(path, cache_dir)
+        if not (folder / CONFIG_FILE).exists():
+            convert_gguf(path, folder, progress=progress)
+            was_converted = True
+        report_progress(progress, "load", f"reading converted weights from {folder}")
+        model, tokenizer = load_converted(folder, dtype)
+    elif path.is_dir() and (path / CONFIG_FILE).exists():
+        report_progress(progress, "load", f"reading converted weights from {path}")
+        model, tokenizer = load_converted(path, dtype)
+    elif path.is_dir() and (path / "config.json").exists():
+        from treeserve.ops.loaders.hf import read_hf_folder
+
+        report_progress(progress, "load", f"reading Hugging Face folder {path}")
+        hf = read_hf_folder(path)
+        model = Transformer.from_state_dict(hf.config, hf.state_dict, dtype=dtype)
+        tokenizer = Tokenizer.from_folder(path)
+    else:
+        raise ModelLoadError(
+            f"{name_or_path!s} is neither a known model ({', '.join(sorted(REGISTRY))}), a .gguf file, "
+            "nor a folder with config.json"
+        )
+    if weight_format is not None:
+        prepare_for_serving(model, path, weight_format, cache_dir=cache_dir, compile_decode=compile_decode, progress=progress)
+    seconds = time.perf_counter() - started
+    report_progress(progress, "done", f"model ready in {seconds:.1f} s")
+    return LoadedModel(model=model, tokenizer=tokenizer, config=model.config, source=path,
+                       was_converted=was_converted, load_seconds=seconds)
+
+
+Q4_BLOCKS_FILE = "q4_1-blocks.safetensors"
+
+
+def gguf_source_of(source: Path) -> Path | None:
+    """The GGUF file a loaded model came from (directly or through its converted folder), if any."""
+    if source.is_file() and source.suffix == ".gguf":
+        return source
+    meta_path = source / CONFIG_FILE
+    if meta_path.exists():
+        origin = Path(json.loads(meta_path.read_text(encoding="utf-8")).get("source", ""))
+        if origin.is_file() and origin.suffix == ".gguf":
+            return origin
+    return None
+
+
+def q4_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, Q4Blocks]:
+    """The GGUF's own Q4_1 blocks by parameter name (empty when the weights are not from a GGUF).
+
+    Decoded once from the GGUF (about 5 s) and kept beside its converted weights.
+    """
+    from safetensors.torch import load_file, save_file
+
+    gguf_path = gguf_source_of(source)
+    if gguf_path is None:
+        return {}
+    cached = converted_dir_for(gguf_path, cache_dir) / Q4_BLOCKS_FILE
+    if not cached.exists():
+        from treeserve.ops.loaders.gguf import read_q4_1_blocks
+
+        blocks = read_q4_1_blocks(gguf_path)
+        flat = {f"{name}.{field}": getattr(b, field) for name, b in blocks.items() for field in ("codes", "scale", "minimum")}
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".partial-{os.getpid()}")
+        save_file(flat, str(partial))
+        os.replace(partial, cached)
+    flat = load_file(str(cached))
+    names = {key.rsplit(".", 1)[0] for key in flat}
+    return {n: Q4Blocks(flat[f"{n}.codes"], flat[f"{n}.scale"], flat[f"{n}.minimum"]) for n in names}
+
+
+def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_dir: str | Path | None) -> Path:
+    """Where the int kernels' buffers of ``model`` in ``fmt`` are saved: a file named by what
+    they depend on (the weights' files, the model's shapes, shards included, torch, the code
+    that packs them and the CPU kernels this machine runs), so a stale one is never read.
+
+    Packing and quantizing take about 10 s for the default model in q4_1 on 2 cores; reading
+    them back a fraction of a second.
+    """
+    from treeserve.ops import formats
+    from treeserve.ops.kernels import q4_amx
+
+    files = sorted(p for p in (source.iterdir() if source.is_dir() else [source]) if p.is_file() and p.name != Q4_BLOCKS_FILE)
+    gguf = gguf_source_of(source)
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files + ([gguf] if gguf else [])]
+    code = b"".join(Path(m).read_bytes() for m in (formats.__file__, q4_amx.__file__, q4_amx.SOURCE) if m)
+    key = "|".join([
+        repr(stats), repr([(name, tuple(p.shape)) for name, p in model.named_parameters()]), fmt.value,
+        torch.__version__, hashlib.sha256(code).hexdigest(), f"amx={fmt is WeightFormat.Q4_1 and q4_amx.available()}",
+        ",".join(sorted(k.__name__ for k in PREPARED_KERNELS)),
+    ])
+    # Named by model, format and shapes (a tensor-parallel rank's slice has its own), then the key.
+    shapes = hashlib.sha256(repr([tuple(p.shape) for p in model.parameters()]).encode()).hexdigest()[:8]
+    name = f"{fmt.value}-{source.stem}-{shapes}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    return resolve_cache_dir(cache_dir) / "formatted" / name
+
+
+def prepare_for_serving(
+    model: Transformer,
+    source: Path,
+    weight_format: str | WeightFormat,
+    *,
+    cache_dir: str | Path | None = None,
+    compile_decode: bool = True,
+    progress: ProgressCallback | None = None,
+) -> Transformer:
+    """Put a float32 ``model`` (sharded already, if tensor-parallel) into ``weight_format`` and,
+    for the fast formats on CPU, attach the compiled one-token decode step.
+
+    The int formats' packed buffers are saved under ``<cache>/formatted`` on the first load and
+    read back later (:func:`_formatted_path`). The decode step is compiled once per model,
+    format and torch build and saved under
+    ``<cache>/compiled`` (107-116 s on this project's 2 cores); later starts load it in seconds. If
+    compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
+    float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
+    """
+    from treeserve.ops.decode_step import DecodeStep, artifact_name  # imports inductor: only here
+
+    fmt = resolve_format(weight_format, model.config, model.device)
+    saved = _formatted_path(model, source, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
+    if saved is not None and saved.exists():
+        from safetensors.torch import load_file
+
+        apply_format(model, fmt, prepared=load_file(str(saved)))
+    else:
+        blocks = q4_blocks_of(source, cache_dir) if fmt is WeightFormat.Q4_1 else {}
+        apply_format(model, fmt, q4_blocks=blocks)
+        if saved is not None and model.device.type == "cpu":
+            from safetensors.torch import save_file
+
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            partial = saved.with_suffix(f".partial-{os.getpid()}")
+            save_file({name: t.contiguous() for name, t in prepared_buffers(model).items()}, str(partial))
+            os.replace(partial, saved)
+            # Older saves of this model and format (other code or weights) are never read again.
+            for stale in saved.parent.glob(f"{saved.name.rsplit('-', 1)[0]}-*.safetensors"):
+                if stale != saved:
+                    stale.unlink(missing_ok=True)
+    if fmt is WeightFormat.FLOAT32 or not compile_decode or model.device.type != "cpu":
+        return model
+    compiled_dir = resolve_cache_dir(cache_dir) / "compiled"
+    # The saved step refers to inductor's compiled kernels by their cache keys: keep that cache
+    # beside it (not in /tmp), unless the user chose one.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_dir / "inductor"))
+    step = DecodeStep(model, artifact=compiled_dir / artifact_name(model))
+    if step.artifact is not None and not step.artifact.exists():
+        message = f"compiling the {fmt.value} decode step once (two to three minutes on 2 cores; later starts load it)"
+        logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
+        if progress is not None:
+            progress(Progress("compile", message))
+    try:
+        step.prepare()
+    except Exception:  # a missing compiler or an inductor failure must not stop serving
+        logger.warning("compiling the decode step failed; serving eagerly", exc_info=True)
+        return model
+    model.decode_step = step
+    return model

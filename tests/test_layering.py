@@ -1,0 +1,165 @@
+"""Layers import downward only: transport <- runtime <- actors <- the ``treeserve`` façade, and
+``ops`` imports none of them; no production module imports the test helpers
+(``treeserve.testing``).
+
+Every production module's imports are read with ``ast``, those inside functions, methods and
+``if TYPE_CHECKING:`` blocks included, and relative imports resolved. The folders come from
+``pyproject.toml``'s package mapping, so a new folder is checked as soon as it is mapped.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What each layer may import (besides itself and third-party code). The façade sits on top;
+# the test helpers may use everything but are used by no layer.
+ALLOWED: dict[str, frozenset[str]] = {
+    "transport": frozenset({"transport"}),
+    "runtime": frozenset({"transport", "runtime"}),
+    "ops": frozenset({"ops"}),
+    "actors": frozenset({"transport", "runtime", "ops", "actors"}),
+    "façade": frozenset({"transport", "runtime", "ops", "actors", "façade"}),
+    "testing": frozenset({"transport", "runtime", "ops", "actors", "façade", "testing"}),
+}
+_LAYER_PACKAGES = {
+    "treeserve.transport": "transport",
+    "treeserve.runtime": "runtime",
+    "treeserve.ops": "ops",
+    "treeserve.actors": "actors",
+    "treeserve.testing": "testing",
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a ``treeserve.*`` module name; None for a module outside treeserve."""
+    if module != "treeserve" and not module.startswith("treeserve."):
+        return None
+    for package, layer in _LAYER_PACKAGES.items():
+        if module == package or module.startswith(package + "."):
+            return layer
+    return "façade"
+
+
+def package_folders() -> dict[str, Path]:
+    """Package name -> folder, as ``pyproject.toml`` maps them."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    mapping = config["tool"]["setuptools"]["package-dir"]
+    return {name: REPO / folder for name, folder in mapping.items()}
+
+
+def package_modules() -> dict[str, Path]:
+    """Module name -> file of every module the package installs, test helpers included."""
+    folders = package_folders()
+    modules: dict[str, Path] = {}
+    for package, folder in folders.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            if name.endswith(".__init__"):
+                name = name[: -len(".__init__")]
+            # A file in a subfolder mapped on its own is named by that mapping (the longest).
+            owner = max((p for p, f in folders.items() if path.is_relative_to(f)), key=len)
+            if owner == package:
+                modules[name] = path
+    return modules
+
+
+def imported_modules(source: str, module: str, *, is_package: bool) -> Iterator[tuple[int, str]]:
+    """``(line, module name)`` of every import in ``source``, at any depth of the tree.
+
+    ``from treeserve import ops`` yields ``treeserve.ops``: a name imported from the root
+    package is attributed to its own layer (the root itself runs for every import anyway).
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base == "treeserve":
+                for alias in node.names:
+                    yield node.lineno, f"treeserve.{alias.name}"
+            else:
+                yield node.lineno, base
+
+
+def upward_imports(source: str, module: str, *, is_package: bool = False) -> list[str]:
+    """Each import of ``source`` (the text of ``module``) that its layer may not make."""
+    own = layer_of(module)
+    assert own is not None, module
+    found = []
+    for line, target in imported_modules(source, module, is_package=is_package):
+        layer = layer_of(target)
+        if layer is not None and layer not in ALLOWED[own]:
+            found.append(f"{module}:{line} ({own}) imports {target} ({layer})")
+    return found
+
+
+def test_no_production_module_imports_upward() -> None:
+    modules = package_modules()
+    layers = {layer_of(name) for name in modules}
+    # Every layer has files here: a mapping the walk misread would check nothing.
+    assert layers == set(ALLOWED), layers
+    known = {"treeserve.transport.codec", "treeserve.runtime.node", "treeserve.ops.loaders.gguf",
+             "treeserve.actors.verifier", "treeserve.cli", "treeserve.testing.gateway_fakes"}
+    assert known <= modules.keys(), known - modules.keys()
+    found = []
+    for name, path in modules.items():
+        source = path.read_text(encoding="utf-8")
+        found += upward_imports(source, name, is_package=path.name == "__init__.py")
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_the_check_sees_imports_at_any_depth() -> None:
+    hidden = (
+        "import torch\n"
+        "from treeserve.ops.model import Transformer\n"
+        "def load():\n"
+        "    from treeserve.models import load_model\n"
+        "    return load_model\n"
+        "class A:\n"
+        "    def m(self):\n"
+        "        import treeserve.predictor\n"
+    )
+    assert upward_imports(hidden, "treeserve.actors.verifier") == [
+        "treeserve.actors.verifier:4 (actors) imports treeserve.models (façade)",
+        "treeserve.actors.verifier:8 (actors) imports treeserve.predictor (façade)",
+    ]
+    assert upward_imports("from treeserve import client\n", "treeserve.runtime.node") == [
+        "treeserve.runtime.node:1 (runtime) imports treeserve.client (façade)",
+    ]
+    assert upward_imports("from treeserve import ops\n", "treeserve.transport.codec") == [
+        "treeserve.transport.codec:1 (transport) imports treeserve.ops (ops)",
+    ]
+    assert upward_imports("import treeserve\n", "treeserve.actors.gateway") == [
+        "treeserve.actors.gateway:1 (actors) imports treeserve (façade)",
+    ]
+    # ops imports none of the serving layers; nothing imports the test helpers.
+    assert upward_imports("if X:\n    from treeserve.runtime import Actor\n", "treeserve.ops.model") == [
+        "treeserve.ops.model:2 (ops) imports treeserve.runtime (runtime)",
+    ]
+    assert upward_imports("from treeserve.testing.runtime_actors import EchoActor\n", "treeserve.server") == [
+        "treeserve.server:1 (façade) imports treeserve.testing.runtime_actors (testing)",
+    ]
+    # Relative imports resolve against the module's package.
+    assert upward_imports("from ..actors import gateway\n", "treeserve.runtime.node") == [
+        "treeserve.runtime.node:1 (runtime) imports treeserve.actors (actors)",
+    ]
+    assert upward_imports("from .. import actors\n", "treeserve.runtime.node") == [
+        "treeserve.runtime.node:1 (runtime) imports treeserve.actors (actors)",
+    ]
+    assert upward_imports("from . import codec\nfrom .wire import Kind\n", "treeserve.transport", is_package=True) == []
+    assert upward_imports(hidden.replace("treeserve.models", "treeserve.ops.loaders.load")
+                          .replace("import treeserve.predictor", "import treeserve.ops.length_predictor"),
+                          "treeserve.actors.verifier") == []
