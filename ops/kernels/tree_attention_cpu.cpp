@@ -319,7 +319,8 @@ at::Tensor tree_decode(const at::Tensor& q_in, const at::Tensor& keys, const at:
   const Shape s{q_in.size(0), q_in.size(1), q_in.size(2), keys.size(1), keys.size(2), q_in.size(3)};
   TORCH_CHECK(keys.size(0) == s.batch && keys.size(3) == s.head_dim && s.heads % s.kv_heads == 0,
               "treeserve_attn::tree_decode: q and the cache disagree on batch, head_dim or heads");
-  TORCH_CHECK(s.num_new >= 1 && s.head_dim <= 128, "treeserve_attn::tree_decode: needs T >= 1 and head_dim <= 128");
+  TORCH_CHECK(s.num_new >= 1 && s.head_dim <= 128 && s.heads / s.kv_heads <= kMaxRows,
+              "treeserve_attn::tree_decode: needs T >= 1, head_dim <= 128 and at most 16 query heads per KV head");
   const at::Tensor q = q_in.contiguous();
   const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
   const at::Tensor tree_mask = tree_mask_in.to(at::kBool).contiguous();

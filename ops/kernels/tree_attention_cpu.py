@@ -27,6 +27,8 @@ from treeserve.ops.kernels import cpp_build
 SOURCE = Path(__file__).with_name("tree_attention_cpu.cpp")
 FLAGS = cpp_build.AVX512
 MAX_HEAD_DIM = 128
+MAX_GROUP = 16
+"""The most query heads per KV head (one item's rows; more would need the group split)."""
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -63,10 +65,12 @@ def loaded() -> bool:
     return _loaded is True
 
 
-def supports(q: Tensor) -> bool:
-    """True when queries like ``q`` ``(B, T, H, hd)`` can run here: CPU, float32 or bfloat16,
-    ``hd <= 128``, and the kernel available."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and q.shape[-1] <= MAX_HEAD_DIM and available()
+def supports(q: Tensor, kv_heads: int) -> bool:
+    """True when queries like ``q`` ``(B, T, H, hd)`` over ``kv_heads`` KV heads can run here:
+    CPU, float32 or bfloat16, ``hd <= 128``, at most 16 query heads per KV head, and the kernel
+    available."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and q.shape[-1] <= MAX_HEAD_DIM
+            and q.shape[2] // kv_heads <= MAX_GROUP and available())
 
 
 def tree_decode(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, tree_mask: Tensor) -> Tensor:

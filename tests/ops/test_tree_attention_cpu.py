@@ -85,3 +85,11 @@ def test_new_tokens_past_the_capacity_are_refused() -> None:
     tree_attention_cpu.tree_decode(q, k, v, torch.tensor([5, 0, capacity - num_new]), mask)  # fills the row
     with pytest.raises(RuntimeError, match="do not fit"):
         tree_attention_cpu.tree_decode(q, k, v, torch.tensor([5, 0, capacity - num_new + 1]), mask)
+
+
+def test_groups_wider_than_one_item_are_refused_not_overrun() -> None:
+    q = torch.randn(1, 1, 32, 16)
+    k = v = torch.randn(1, 1, 8, 16)
+    assert not tree_attention_cpu.supports(q, kv_heads=1) and tree_attention_cpu.supports(q, kv_heads=2)
+    with pytest.raises(RuntimeError, match="query heads per KV head"):
+        tree_attention_cpu.tree_decode(q, k, v, torch.tensor([3]), torch.ones(1, 1, 1, dtype=torch.bool))
