@@ -70,8 +70,7 @@ def step_hidden(
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
-    fused = (tree_attention_cpu.loaded() and tokens.device.type == "cpu" and dtype in tree_attention_cpu.DTYPES
-             and head_dim <= tree_attention_cpu.MAX_HEAD_DIM and num_heads // num_kv <= tree_attention_cpu.MAX_GROUP)
+    fused = tree_attention_cpu.fits(tokens.device, dtype, num_heads, num_kv, head_dim)
     # Otherwise, the eager forward's mask: committed slots, tree-visible new ones; slots past a
     # row's new tokens (another request's leftovers) hidden.
     mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)

@@ -65,12 +65,18 @@ def loaded() -> bool:
     return _loaded is True
 
 
+def fits(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """True when attention of these shapes can run on the loaded kernel: CPU, float32 or
+    bfloat16, ``head_dim <= 128``, at most 16 query heads per KV head (plain reads only, so
+    traced code calls it too; :func:`available` must have run)."""
+    return (loaded() and device.type == "cpu" and dtype in DTYPES and head_dim <= MAX_HEAD_DIM
+            and heads // kv_heads <= MAX_GROUP)
+
+
 def supports(q: Tensor, kv_heads: int) -> bool:
-    """True when queries like ``q`` ``(B, T, H, hd)`` over ``kv_heads`` KV heads can run here:
-    CPU, float32 or bfloat16, ``hd <= 128``, at most 16 query heads per KV head, and the kernel
-    available."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and q.shape[-1] <= MAX_HEAD_DIM
-            and q.shape[2] // kv_heads <= MAX_GROUP and available())
+    """True when queries like ``q`` ``(B, T, H, hd)`` over ``kv_heads`` KV heads can run here
+    (:func:`fits`, after loading the kernel if it can be)."""
+    return available() and fits(q.device, q.dtype, q.shape[2], kv_heads, q.shape[3])
 
 
 def tree_decode(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, tree_mask: Tensor) -> Tensor:

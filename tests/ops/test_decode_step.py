@@ -30,7 +30,7 @@ def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         pytest.skip("needs AVX-512 and a C++ compiler")
     if request.param == "torch":
         monkeypatch.setattr(tree_attention_cpu, "available", lambda: False)
-        monkeypatch.setattr(tree_attention_cpu, "loaded", lambda: False)
+        monkeypatch.setattr(tree_attention_cpu, "loaded", lambda: False)  # what fits() reads
     return str(request.param)
 
 
