@@ -86,10 +86,11 @@ def step_hidden(
         q = apply_rope(q.view(batch, num_new, num_heads, head_dim), cos, sin)  # (B, T, H, hd)
         k = apply_rope(k.view(batch, num_new, num_kv, head_dim), cos, sin)  # (B, T, n_kv, hd)
         v = v.view(batch, num_new, num_kv, head_dim)
-        if mask is None:
+        if fused:
             tree_attention_cpu.write_kv(keys[index], values[index], k, v, lengths)
             out = tree_attention_cpu.tree_decode(q, keys[index], values[index], lengths, tree_mask)  # (B, T, H*hd)
         else:
+            assert mask is not None
             write_pending(keys[index], values[index], k, v, lengths)
             # torch's fused attention (flash; GQA without expanding K/V), as in the eager forward.
             # At one query per head, attention written as products and sums for inductor to
