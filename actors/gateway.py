@@ -1,5 +1,6 @@
 """``GatewayActor``: the public front door. It owns its own ROUTER socket speaking the
-wire protocol (``transport/PROTOCOL.md``, section "Gateway messages"), validates and
+wire protocol (``transport/PROTOCOL.md``, section "Gateway messages") through the runtime's
+ROUTER request path (``runtime/inbound.py``, as a node's does), validates and
 tokenizes ``generate`` requests, streams the scheduler's tokens back as text + token ids,
 and cancels the scheduler stream when a client cancels or goes away. ``info`` and ``health``
 report whether the server behind it has failed for good (a supervisor gave up).
@@ -13,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import zmq
 import zmq.asyncio
@@ -25,25 +26,17 @@ from treeserve.actors.gateway_config import (
     GatewayStats,
     TokenizerLike,
 )
+from treeserve.actors.gateway_peers import ClientPeers
 from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest, parse_generate
-from treeserve.actors.gateway_stream import prompt_ids_for, relay_generation, scheduler_body
+from treeserve.actors.gateway_stream import error_reply, prompt_ids_for, relay_generation, scheduler_body
 from treeserve.runtime.actor import Actor, handler
-from treeserve.runtime.errors import ActorError
+from treeserve.runtime.inbound import Inbound, Refusal, bind_router
+from treeserve.runtime.pump import SendOutcome
 from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.stall import StallGuard
-from treeserve.transport.codec import DecodeError, decode, encode
-from treeserve.transport.messages import (
-    Cancel,
-    Error,
-    Heartbeat,
-    Message,
-    Reply,
-    Request,
-    StreamEnd,
-    StreamItem,
-)
-from treeserve.transport.sockets import CurveAuthenticator, bound_endpoint, make_router
-from treeserve.transport.wire import RETRYABLE_CODES, ErrorCode
+from treeserve.transport.messages import Error, Heartbeat, Message, Reply, Request, StreamEnd, StreamItem
+from treeserve.transport.sockets import CurveAuthenticator, bound_endpoint
+from treeserve.transport.wire import DEFAULT_LIMITS, ErrorCode
 
 __all__ = [
     "GATEWAY_LIMITS",
@@ -56,7 +49,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-_SEND_RETRY_S = 0.005
+_SEND_RETRY_S = 0.005  # polling a slow client's full queue: 256 streams must not spin the loop
 
 
 class _Why(enum.Enum):
@@ -65,12 +58,6 @@ class _Why(enum.Enum):
     CLIENT_CANCEL = "client_cancel"
     DISCONNECT = "disconnect"
     SHUTDOWN = "shutdown"
-
-
-class _Sent(enum.Enum):
-    OK = "ok"
-    FULL = "full"  # the peer's queue is at its high-water mark; retry later
-    GONE = "gone"  # the peer is not connected (ROUTER_MANDATORY)
 
 
 class _PeerGone(Exception):
@@ -90,17 +77,6 @@ class _Stream:
         self.cancel_reason: _Why | None = None
 
 
-class _Peer:
-    """Liveness of one client that has streams open."""
-
-    __slots__ = ("beat_seq", "keys", "last_seen")
-
-    def __init__(self, now: float) -> None:
-        self.last_seen = now
-        self.beat_seq = 0
-        self.keys: set[int] = set()
-
-
 SchedulerSource: TypeAlias = ActorRef | Callable[[], ActorRef]
 
 HealthSource: TypeAlias = Callable[[], list[str]]
@@ -117,7 +93,8 @@ class GatewayActor(Actor):
     the full text and the scheduler's stats. A client ``cancel``, a failed send, or a
     client silent for ``disconnect_timeout_s`` cancels the scheduler stream, which frees
     the request's KV row. Bad messages get an error reply (or are dropped and counted when
-    no reply is possible); everyone else keeps being served.
+    no reply is possible); everyone else keeps being served. Which clients are watched,
+    and when each was last heard, is ``ClientPeers`` (``gateway_peers.py``).
 
     ``failures`` (optional) says why the server behind the gateway can no longer serve; once
     it is non-empty, ``info`` and ``health`` report ``status: "failed"`` with those lines,
@@ -145,12 +122,13 @@ class GatewayActor(Actor):
         self._failures = failures
         self._ctx: zmq.asyncio.Context | None = None
         self._auth: CurveAuthenticator | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.asyncio.Socket | None = None  # until the Inbound owns it
+        self._inbound: Inbound[_Stream] | None = None  # the open streams, by (peer, request id)
         self._endpoint = ""
         self._serve_task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
-        self._streams: dict[tuple[bytes, int], _Stream] = {}
-        self._peers: dict[bytes, _Peer] = {}
+        self._is_stopping = False
+        self._peers = ClientPeers()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,24 +140,15 @@ class GatewayActor(Actor):
     @property
     def num_active_streams(self) -> int:
         """Generate streams currently open."""
-        return len(self._streams)
+        return 0 if self._inbound is None else self._inbound.num_open
 
     async def on_start(self) -> None:
-        """Bind the public socket and start the receive loop (owned task)."""
+        """Bind the public socket, start the stream owner (owned task), then receive."""
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
         try:
-            if cfg.curve is not None:
-                self._auth = CurveAuthenticator(self._ctx)
-                self._auth.start()
-            self._sock = make_router(
-                self._ctx,
-                cfg.bind,
-                limits=cfg.limits,
-                curve=cfg.curve,
-                authenticator=self._auth,
-                allow_public_bind=cfg.allow_public_bind,
-            )
+            self._sock, self._auth = await bind_router(
+                self._ctx, cfg.bind, limits=cfg.limits, curve=cfg.curve, allow_public_bind=cfg.allow_public_bind)
             self._endpoint = bound_endpoint(self._sock)
         except BaseException:
             await self._close_sockets()
@@ -189,14 +158,24 @@ class GatewayActor(Actor):
         await asyncio.wait([started, self._serve_task], return_when=asyncio.FIRST_COMPLETED)
         if not started.done():
             await self._close_sockets()
-            raise RuntimeError("the gateway's receive loop ended before it served")
+            raise RuntimeError("the gateway's stream owner ended before it served")
+        # Requests are read only now: every stream they start has its TaskGroup.
+        sock, self._sock = self._sock, None
+        self._inbound = Inbound(
+            sock, f"gateway {self._endpoint}", limits=cfg.limits, stats=self.stats_counters,
+            admit=self._admit, cancel=self._on_client_cancel, heard_from=self._heard_from,
+            send_limits=DEFAULT_LIMITS, send_retry_s=_SEND_RETRY_S,
+        )
         _log.info("gateway serving on %s", self._endpoint)
 
     async def on_stop(self) -> None:
-        """Cancel every stream (clients get ``unavailable``), the loop, close sockets."""
-        for stream in self._streams.values():
-            if stream.cancel_reason is None:
-                stream.cancel_reason = _Why.SHUTDOWN
+        """Refuse new streams, cancel every open one (clients get ``unavailable``), then
+        close the socket."""
+        self._is_stopping = True
+        if self._inbound is not None:
+            for stream in self._inbound.open_calls():
+                if stream.cancel_reason is None:
+                    stream.cancel_reason = _Why.SHUTDOWN
         task, self._serve_task = self._serve_task, None
         if task is not None:
             task.cancel()
@@ -204,6 +183,9 @@ class GatewayActor(Actor):
         await self._close_sockets()
 
     async def _close_sockets(self) -> None:
+        inbound, self._inbound = self._inbound, None
+        if inbound is not None:
+            inbound.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -218,90 +200,44 @@ class GatewayActor(Actor):
     async def stats(self) -> dict[str, Any]:
         """Counters, the bound endpoint and the number of open streams."""
         return {**asdict(self.stats_counters), "endpoint": self._endpoint,
-                "num_active_streams": len(self._streams)}
-
-    # ------------------------------------------------------------------ receive loop
+                "num_active_streams": self.num_active_streams}
 
     async def _serve(self, started: asyncio.Future[None]) -> None:
-        sock = self._sock
-        assert sock is not None
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            tg.create_task(self._watch_peers(), name="gateway:watch")
-            started.set_result(None)
-            while True:
-                frames = await sock.recv_multipart(copy=False)
-                try:
-                    self._on_frames(frames)
-                except Exception:  # one bad message must never stop the gateway
-                    _log.exception("gateway: failed to handle a message")
-                    self.stats_counters.num_dropped += 1
-
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        stats = self.stats_counters
-        if len(frames) < 2:
-            stats.num_dropped += 1
-            return
-        peer = frames[0].bytes
+        """Own the stream tasks and the liveness watch until cancelled (``on_stop``)."""
         try:
-            msg = decode(frames[1:], self.config.limits)
-        except DecodeError as exc:
-            stats.num_bad_messages += 1
-            err = Error(exc.msg_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
-            if self._send_now(peer, err) is not _Sent.OK:
-                stats.num_dropped += 1
-            return
-        known = self._peers.get(peer)
-        if known is not None:
-            known.last_seen = asyncio.get_running_loop().time()
-        if isinstance(msg, Request):
-            stats.num_requests += 1
-            self._on_request(peer, msg)
-        elif isinstance(msg, Cancel):
-            stream = self._streams.get((peer, msg.id))
-            if stream is not None:
-                stats.num_cancels += 1
-                self._cancel(stream, _Why.CLIENT_CANCEL)
-        elif isinstance(msg, Heartbeat):
-            pass  # any message counts as a sign of life (recorded above)
-        else:  # answers never flow client -> gateway; never answer them (no loops)
-            stats.num_dropped += 1
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self._watch_peers(), name="gateway:watch")
+                started.set_result(None)
+                await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self._tg = None
 
-    def _refuse(self, peer: bytes, msg_id: int, code: ErrorCode, text: str) -> None:
-        if code is ErrorCode.INVALID_REQUEST:
-            self.stats_counters.num_invalid += 1
-        self._send_now(peer, Error(msg_id, code, text, code in RETRYABLE_CODES))
+    # ------------------------------------------------------------------ requests
 
-    def _on_request(self, peer: bytes, req: Request) -> None:
+    def _invalid(self, text: str) -> Refusal:
+        self.stats_counters.num_invalid += 1
+        return Refusal(ErrorCode.INVALID_REQUEST, text)
+
+    def _admit(self, peer: bytes, req: Request, deadline: float | None) -> _Stream | Refusal | None:
+        """Answer ``info``/``health`` at once, or start a ``generate`` stream (``Inbound``
+        already refused undecodable messages, reused ids and expired deadlines)."""
         if req.target != GATEWAY_TARGET:
-            self._refuse(peer, req.id, ErrorCode.NO_SUCH_ACTOR,
-                         f"this endpoint only serves target {GATEWAY_TARGET!r}, not {req.target!r}")
-            return
+            return Refusal(ErrorCode.NO_SUCH_ACTOR,
+                           f"this endpoint only serves target {GATEWAY_TARGET!r}, not {req.target!r}")
         if req.method in ("info", "health"):
             if req.stream:
-                self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST,
-                             f"{req.method!r} is unary: send it with stream=false")
-                return
+                return self._invalid(f"{req.method!r} is unary: send it with stream=false")
             self._send_now(peer, Reply(req.id, self._info() if req.method == "info" else self._health()))
-            return
+            return None
         if req.method != "generate":
-            self._refuse(peer, req.id, ErrorCode.NO_SUCH_METHOD,
-                         f"unknown method {req.method!r} (methods: 'generate' (stream), 'info', 'health')")
-            return
+            return Refusal(ErrorCode.NO_SUCH_METHOD,
+                           f"unknown method {req.method!r} (methods: 'generate' (stream), 'info', 'health')")
         if not req.stream:
-            self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST, "'generate' streams: send it with stream=true")
-            return
-        key = (peer, req.id)
-        if key in self._streams:
-            self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST, f"request id {req.id} is already in use")
-            return
-        if req.timeout_ms == 0:
-            self._refuse(peer, req.id, ErrorCode.DEADLINE_EXCEEDED, "request arrived with no time left")
-            return
+            return self._invalid("'generate' streams: send it with stream=true")
         failures = self._current_failures()
         if failures:
-            self._send_now(peer, Error(req.id, ErrorCode.UNAVAILABLE, _failed_text(failures), False))
-            return
+            return Refusal(ErrorCode.UNAVAILABLE, _failed_text(failures), retryable=False)
         cfg = self.config
         try:
             parsed = parse_generate(
@@ -311,23 +247,19 @@ class GatewayActor(Actor):
                 max_prompt_chars=cfg.max_prompt_chars,
             )
         except InvalidRequest as exc:
-            self._refuse(peer, req.id, ErrorCode.INVALID_REQUEST, str(exc))
-            return
-        if len(self._streams) >= cfg.max_concurrent_streams:
+            return self._invalid(str(exc))
+        if self.num_active_streams >= cfg.max_concurrent_streams:
             self.stats_counters.num_overloaded += 1
-            self._refuse(peer, req.id, ErrorCode.OVERLOADED,
-                         f"{len(self._streams)} streams open (max {cfg.max_concurrent_streams}); retry later")
-            return
-        assert self._tg is not None
+            return Refusal(ErrorCode.OVERLOADED,
+                           f"{self.num_active_streams} streams open (max {cfg.max_concurrent_streams}); retry later")
+        if self._tg is None or self._is_stopping:
+            return Refusal(ErrorCode.UNAVAILABLE, "the gateway is shutting down")
         stream = _Stream(peer, req.id)
-        now = asyncio.get_running_loop().time()
-        state = self._peers.setdefault(peer, _Peer(now))
-        state.last_seen = now
-        state.keys.add(req.id)
-        self._streams[key] = stream
         timeout_s = None if req.timeout_ms is None else req.timeout_ms / 1000
         stream.task = self._tg.create_task(self._run_stream(stream, parsed, timeout_s),
                                            name=f"gateway:stream:{req.id}")
+        self._peers.opened(peer, req.id, asyncio.get_running_loop().time())
+        return stream
 
     def _current_failures(self) -> list[str]:
         return [] if self._failures is None else list(self._failures())
@@ -351,6 +283,14 @@ class GatewayActor(Actor):
 
     # ------------------------------------------------------------------ liveness
 
+    def _heard_from(self, peer: bytes) -> None:
+        if peer in self._peers:  # any message is a sign of life
+            self._peers.heard_from(peer, asyncio.get_running_loop().time())
+
+    def _on_client_cancel(self, stream: _Stream) -> None:
+        self.stats_counters.num_cancels += 1
+        self._cancel(stream, _Why.CLIENT_CANCEL)
+
     async def _watch_peers(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -362,14 +302,13 @@ class GatewayActor(Actor):
             # judge nobody on this tick (the next one comes after they have been read).
             stalled = guard.tick(now)
             self.stats_counters.num_stalled_ticks += int(stalled)
-            for peer, state in list(self._peers.items()):
-                if not stalled and now - state.last_seen > cfg.disconnect_timeout_s:
-                    _log.info("gateway: client silent for %.1fs; cancelling its streams", now - state.last_seen)
+            if not stalled:
+                for peer in self._peers.silent(now, cfg.disconnect_timeout_s):
+                    _log.info("gateway: client silent for over %.1fs; cancelling its streams",
+                              cfg.disconnect_timeout_s)
                     self._disconnect(peer)
-                    continue
-                beat = Heartbeat(state.beat_seq, time.time(), GATEWAY_TARGET)
-                state.beat_seq += 1
-                if self._send_now(peer, beat) is _Sent.GONE:
+            for peer, seq in self._peers.next_beats():
+                if self._send_now(peer, Heartbeat(seq, time.time(), GATEWAY_TARGET)) is SendOutcome.GONE:
                     self._disconnect(peer)
 
     def _disconnect(self, peer: bytes, current: _Stream | None = None) -> None:
@@ -377,12 +316,12 @@ class GatewayActor(Actor):
         is ending by itself) is only marked."""
         if current is not None:
             current.cancel_reason = _Why.DISCONNECT
-        state = self._peers.pop(peer, None)
-        if state is None:
+        msg_ids = self._peers.pop(peer)
+        if msg_ids is None:
             return
         self.stats_counters.num_disconnects += 1
-        for msg_id in list(state.keys):
-            stream = self._streams.get((peer, msg_id))
+        for msg_id in list(msg_ids):
+            stream = None if self._inbound is None else self._inbound.get(peer, msg_id)
             if stream is not None and stream is not current:
                 self._cancel(stream, _Why.DISCONNECT)
 
@@ -393,47 +332,22 @@ class GatewayActor(Actor):
             stream.task.cancel()
 
     def _forget(self, stream: _Stream) -> None:
-        self._streams.pop((stream.peer, stream.msg_id), None)
-        state = self._peers.get(stream.peer)
-        if state is not None:
-            state.keys.discard(stream.msg_id)
-            if not state.keys:
-                del self._peers[stream.peer]
+        if self._inbound is not None:
+            self._inbound.release(stream.peer, stream.msg_id)
+        self._peers.closed(stream.peer, stream.msg_id)
 
     # ------------------------------------------------------------------ sending
 
-    def _send_now(self, peer: bytes, msg: Message) -> _Sent:
-        sock = self._sock
-        if sock is None:
-            return _Sent.GONE
-        frames = encode(msg)
-        # With DONTWAIT (and no blocking send ever queued) pyzmq answers at once with a
-        # finished future, and keeps the receive side's edge-triggered wakeups right.
-        fut = cast("asyncio.Future[Any]",
-                   sock.send_multipart([peer, *frames], flags=zmq.DONTWAIT, copy=False))
-        if not fut.done():  # pragma: no cover - cannot happen without blocking sends
-            fut.cancel()
-            return _Sent.FULL
-        exc = fut.exception()
-        if exc is None:
-            return _Sent.OK
-        self.stats_counters.num_send_failures += 1
-        if isinstance(exc, zmq.Again):
-            return _Sent.FULL
-        return _Sent.GONE  # EHOSTUNREACH under ROUTER_MANDATORY, or the socket closed
+    def _send_now(self, peer: bytes, msg: Message) -> SendOutcome:
+        return SendOutcome.GONE if self._inbound is None else self._inbound.send(peer, msg)
 
     async def _send(self, stream: _Stream, msg: Message) -> None:
         """Send, retrying while the client's queue is full; raises ``_PeerGone`` when the
         client is gone or has not drained its queue within ``disconnect_timeout_s``."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.disconnect_timeout_s
-        while True:
-            sent = self._send_now(stream.peer, msg)
-            if sent is _Sent.OK:
-                return
-            if sent is _Sent.GONE or loop.time() >= give_up:
-                raise _PeerGone
-            await asyncio.sleep(_SEND_RETRY_S)
+        inbound = self._inbound
+        if inbound is None or not await inbound.send_when_ready(
+                stream.peer, inbound.encode(msg), give_up_s=self.config.disconnect_timeout_s):
+            raise _PeerGone
 
     # ------------------------------------------------------------------ one stream
 
@@ -461,26 +375,16 @@ class GatewayActor(Actor):
     async def _generate_guarded(
         self, stream: _Stream, req: GenerateRequest, timeout_s: float | None
     ) -> Error | None:
-        msg_id = stream.msg_id
         try:
             async with asyncio.timeout(timeout_s):
                 await self._generate(stream, req, timeout_s)
-        except InvalidRequest as exc:
-            self.stats_counters.num_invalid += 1
-            return Error(msg_id, ErrorCode.INVALID_REQUEST, str(exc))
         except _PeerGone:
             self._disconnect(stream.peer, current=stream)
             return None
-        except ActorError as exc:  # from the scheduler: keep its code (overloaded, ...)
-            if exc.code in (ErrorCode.NO_SUCH_ACTOR, ErrorCode.NO_SUCH_METHOD):
-                # Internal wiring, not the client's business; a restart may fix it.
-                return Error(msg_id, ErrorCode.UNAVAILABLE, f"the model is not available ({exc.message})", True)
-            return Error(msg_id, exc.code, exc.message, exc.retryable)
-        except TimeoutError:
-            return Error(msg_id, ErrorCode.DEADLINE_EXCEEDED, f"no result within {timeout_s}s")
         except Exception as exc:
-            _log.exception("gateway: generate failed")
-            return Error(msg_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, InvalidRequest):
+                self.stats_counters.num_invalid += 1
+            return error_reply(stream.msg_id, exc, timeout_s)
         return None
 
     async def _generate(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from treeserve.runtime.stats import InboundStats
 from treeserve.transport.sockets import CurveServerConfig
 from treeserve.transport.wire import WireLimits
 
@@ -98,18 +99,16 @@ class GatewayConfig:
 
 
 @dataclass
-class GatewayStats:
-    """Monotonic counters of one gateway (for tests and monitoring)."""
+class GatewayStats(InboundStats):
+    """Monotonic counters of one gateway (for tests and monitoring): its ROUTER's
+    (``InboundStats``: requests, bad messages, drops, send failures...) and its own.
+    ``num_cancels`` counts client cancels of open streams (``num_cancels_received``: all)."""
 
-    num_requests: int = 0
-    num_bad_messages: int = 0
-    num_dropped: int = 0
     num_invalid: int = 0
     num_overloaded: int = 0
     num_cancels: int = 0
     num_disconnects: int = 0
     num_completed: int = 0
     num_failed: int = 0
-    num_send_failures: int = 0
     num_stalled_ticks: int = 0
     """Liveness ticks on which the gateway's own loop had been blocked, so no client was judged."""

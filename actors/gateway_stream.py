@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, cast
@@ -16,9 +17,12 @@ from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 from treeserve.runtime.errors import ActorError
 from treeserve.runtime.ref import ActorRef
+from treeserve.transport.messages import Error
 from treeserve.transport.wire import ErrorCode
 
-__all__ = ["STAT_KEYS", "StopMatcher", "prompt_ids_for", "relay_generation", "scheduler_body"]
+__all__ = ["STAT_KEYS", "StopMatcher", "error_reply", "prompt_ids_for", "relay_generation", "scheduler_body"]
+
+_log = logging.getLogger(__name__)
 
 STAT_KEYS = (
     "finish_reason",
@@ -206,3 +210,22 @@ async def relay_generation(
         # heard of the stop string; the client's answer ends at the string either way.
         end_body.update(finish_reason="stop", num_generated_tokens=len(token_ids), matched_stop=matcher.matched)
     return end_body
+
+
+def error_reply(msg_id: int, exc: Exception, timeout_s: float | None) -> Error:
+    """The ``error`` a client gets for a generation that failed with ``exc``.
+
+    A scheduler's ``ActorError`` keeps its code (``overloaded``, ...), except that a missing
+    scheduler actor or method is internal wiring, not the client's business: it becomes a
+    retryable ``unavailable`` (a restart may fix it). A ``TimeoutError`` is the request's own
+    deadline; anything else is a bug, logged with its traceback and sent as ``internal``."""
+    if isinstance(exc, InvalidRequest):
+        return Error(msg_id, ErrorCode.INVALID_REQUEST, str(exc))
+    if isinstance(exc, ActorError):
+        if exc.code in (ErrorCode.NO_SUCH_ACTOR, ErrorCode.NO_SUCH_METHOD):
+            return Error(msg_id, ErrorCode.UNAVAILABLE, f"the model is not available ({exc.message})", True)
+        return Error(msg_id, exc.code, exc.message, exc.retryable)
+    if isinstance(exc, TimeoutError):
+        return Error(msg_id, ErrorCode.DEADLINE_EXCEEDED, f"no result within {timeout_s}s")
+    _log.error("gateway: generate failed", exc_info=exc)
+    return Error(msg_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")

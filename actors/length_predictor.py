@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from treeserve.actors.messages import LengthReport, PredictBody, PredictReply
 from treeserve.actors.model_host import (
     SerialOffload,
-    check_body,
     check_device,
     check_int,
     check_model_name,
@@ -122,26 +122,15 @@ class LengthPredictorActor(Actor):
     @handler
     async def predict(self, body: Any) -> dict[str, float]:
         """Predicted output tokens of one chat-templated prompt (see the module docstring)."""
-        body = check_body(body, ("request_id", "prompt_ids"))
-        request_id = body["request_id"]
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt = body["prompt_ids"]
-        if (not isinstance(prompt, (list, tuple)) or not prompt
-                or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size for t in prompt)):
-            raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {self._vocab_size})")
-        value = await self._offload.run(self._predict, request_id, [int(t) for t in prompt])
-        return {"predicted_len": value}
+        call = PredictBody.from_wire(body, self._vocab_size)
+        value = await self._offload.run(self._predict, call.request_id, list(call.prompt_ids))
+        return PredictReply(value).to_wire()
 
     @handler
     async def observe(self, body: Any) -> None:
         """Learn from one ended request (``is_censored`` ones are only forgotten)."""
-        body = check_body(body, ("request_id", "num_generated_tokens", "is_censored"))
-        num_tokens = check_int(body["num_generated_tokens"], "num_generated_tokens")
-        censored = body["is_censored"]
-        if not isinstance(censored, bool):
-            raise ValueError("is_censored must be true or false")
-        await self._offload.run(self._observe, str(body["request_id"]), num_tokens, censored)
+        report = LengthReport.from_wire(body)
+        await self._offload.run(self._observe, report.request_id, report.num_generated_tokens, report.is_censored)
 
     @handler
     async def stats(self) -> dict[str, Any]:

@@ -30,18 +30,24 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-from treeserve.actors.gateway_request import sampling_temperature
+from treeserve.actors.messages import (
+    FinishBody,
+    GenerateBody,
+    LengthReport,
+    PredictBody,
+    PredictReply,
+    PrefillRow,
+    RequestRelease,
+    StartBody,
+    StepRow,
+)
 from treeserve.actors.scheduler_core import RequestState, SchedulerCore, prefill_chunks
 from treeserve.actors.scheduler_types import (
-    PREDICTION_POLICIES,
-    SPECULATE_MODES,
     Admission,
     Event,
     InvalidRequest,
-    LengthReport,
     Release,
     RequestFinished,
     SchedulerConfig,
@@ -51,9 +57,7 @@ from treeserve.actors.scheduler_types import (
     StepReplies,
     TokensOut,
 )
-from treeserve.actors.tree_wire import params_from_wire
-from treeserve.actors.verifier_group import MalformedReply, PrefillRow, StepRow, VerifierGroup
-from treeserve.ops.sampling import SamplingParams
+from treeserve.actors.verifier_group import VerifierGroup
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import Actor, ActorError, ActorRef, handler, stream_handler
 
@@ -64,12 +68,6 @@ _Request = RequestState
 _prefill_chunks = prefill_chunks
 
 Outbox = asyncio.Queue[dict[str, Any] | ActorError]
-
-
-def _int_list(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(f"{what} must be a list of integers")
-    return list(value)
 
 
 class SchedulerActor(Actor):
@@ -120,7 +118,12 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------------ public handlers
     @stream_handler
     async def generate(self, body: Any) -> AsyncIterator[dict[str, Any]]:
-        req = self.core.submit(*self._parse(body), now=self.clock())
+        try:
+            call = GenerateBody.from_wire(body, self.config.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        request_id = call.request_id or f"req-{next(self._ids)}"
+        req = self.core.submit(request_id, list(call.prompt_ids), call.params, call.speculate, now=self.clock())
         outbox: Outbox = asyncio.Queue()
         self._outboxes[req.request_id] = outbox
         try:
@@ -159,12 +162,11 @@ class SchedulerActor(Actor):
         text). The request's stream ends with its final item as usual, before the next step;
         tokens streamed after that point are the caller's to drop. False if the request is
         not running (already finished, cancelled, or never admitted)."""
-        if not isinstance(body, dict) or set(body) != {"request_id", "num_tokens"}:
-            raise InvalidRequest("finish takes {request_id, num_tokens}")
-        num_tokens = body["num_tokens"]
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise InvalidRequest(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        if not self.core.stop(body["request_id"], num_tokens):
+        try:
+            call = FinishBody.from_wire(body)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if not self.core.stop(call.request_id, call.num_tokens):
             return False
         self._wake.set()
         return True
@@ -179,11 +181,9 @@ class SchedulerActor(Actor):
         if self.predictor is None:
             return None
         try:
-            reply = await self.predictor.ask(
-                "predict", {"request_id": req.request_id, "prompt_ids": req.prompt_ids},
-                timeout=self.config.predict_timeout_s,
-            )
-            value = float(reply["predicted_len"])
+            reply = await self.predictor.ask("predict", PredictBody(req.request_id, tuple(req.prompt_ids)).to_wire(),
+                                             timeout=self.config.predict_timeout_s)
+            value = PredictReply.from_wire(reply).predicted_len
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any predictor fault degrades to "no prediction"
@@ -197,36 +197,10 @@ class SchedulerActor(Actor):
         """Tell the predictor how long a request really ran (it drops censored lengths)."""
         if self.predictor is None or report is None:
             return
-        body = {"request_id": report.request_id, "num_generated_tokens": report.num_generated_tokens,
-                "is_censored": report.is_censored}
         try:
-            await self.predictor.tell("observe", body)
+            await self.predictor.tell("observe", report.to_wire())
         except ActorError as exc:  # learning is best effort; serving goes on
             log.debug("could not report the length of %s: %s", report.request_id, exc)
-
-    # ------------------------------------------------------------------ request parsing
-    def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, str]:
-        if not isinstance(body, dict):
-            raise InvalidRequest("generate body must be a map")
-        unknown = set(body) - {"request_id", "prompt_ids", "params", "speculate"}
-        if unknown:
-            raise InvalidRequest(f"unknown generate fields: {sorted(unknown)}")
-        prompt = _int_list(body.get("prompt_ids"), "prompt_ids")
-        if not prompt:
-            raise InvalidRequest("prompt_ids must not be empty")
-        if any(not 0 <= t < self.config.vocab_size for t in prompt):
-            raise InvalidRequest(f"prompt_ids contains a token id outside [0, {self.config.vocab_size})")
-        try:
-            params = params_from_wire(body.get("params") or {})
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        # The one temperature rule (transport/PROTOCOL.md 11.3): below the smallest sampling
-        # temperature is greedy, so no row's scaled logits can overflow.
-        params = replace(params, temperature=sampling_temperature(params.temperature))
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            request_id = f"req-{next(self._ids)}"
-        return request_id, prompt, params, body.get("speculate", "tree")
 
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
@@ -275,7 +249,7 @@ class SchedulerActor(Actor):
         return True
 
     async def _start_speculators(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        body = {"request_id": request_id, "prompt_ids": list(prompt_ids)}
+        body = StartBody(request_id, tuple(prompt_ids)).to_wire()
         results = await asyncio.gather(
             *(s.ask("start", body, timeout=self.config.step_timeout_s) for s in self.speculators),
             return_exceptions=True,
@@ -344,9 +318,9 @@ class SchedulerActor(Actor):
                 await self._deliver(self.core.verifier_failed(exc).events)
                 return False
             if release.speculates:
+                body = RequestRelease(release.request_id).to_wire()
                 await asyncio.gather(
-                    *(s.ask("release", {"request_id": release.request_id}, timeout=self.config.step_timeout_s)
-                      for s in self.speculators),
+                    *(s.ask("release", body, timeout=self.config.step_timeout_s) for s in self.speculators),
                     return_exceptions=True,
                 )
         return True
@@ -358,7 +332,4 @@ class SchedulerActor(Actor):
         self.core.speculator_failed(index)
 
 
-__all__ = [
-    "PREDICTION_POLICIES", "SPECULATE_MODES", "InvalidRequest", "MalformedReply", "SchedulerActor", "SchedulerConfig",
-    "SchedulerFault", "ServiceUnavailable",
-]
+__all__ = ["InvalidRequest", "SchedulerActor", "SchedulerConfig", "SchedulerFault", "ServiceUnavailable"]

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from treeserve.actors.acceptance import mean_tokens_per_step
 from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from treeserve.actors.policy import QueuedRequest
 from treeserve.actors.scheduler_proposals import proposal_asks, take_proposals, verified_tree
@@ -93,8 +94,9 @@ class SchedulerCore:
     """The scheduler's state and decisions (see the module docstring for a step's calls).
 
     ``num_speculators`` is the number of speculator actors the caller asks, in index order.
-    Replies that do not fit the plan raise (``MalformedReply``, ``ValueError``); the caller
-    treats that as a step fault and ends every open request with :meth:`fail_all`.
+    Replies that do not fit the plan raise (:class:`~treeserve.actors.messages.MalformedReply`,
+    ``ValueError``); the caller treats that as a step fault and ends every open request with
+    :meth:`fail_all`.
     """
 
     def __init__(self, config: SchedulerConfig, num_speculators: int = 0) -> None:
@@ -218,8 +220,9 @@ class SchedulerCore:
     def merge_proposals(
         self, plan: StepPlan, asks: Sequence[ProposalAsk], replies: Sequence[Any]
     ) -> tuple[TokenTree, ...]:
-        """One token tree per plan row from the speculators' ``replies`` to ``asks`` (None: that
-        speculator failed, see :meth:`speculator_failed`)."""
+        """One token tree per plan row from the speculators' ``replies`` to ``asks``: their wire
+        dicts, validated here, where they enter the core (None: that speculator failed, see
+        :meth:`speculator_failed`)."""
         proposed = take_proposals(self._speculating(plan), asks, replies, self.num_speculators)
         return tuple(verified_tree(self._running[row.request_id].root, proposed.get(row.request_id, []), row,
                                    self.config.max_tree_nodes) for row in plan.rows)
@@ -340,8 +343,7 @@ class SchedulerCore:
             "num_prompt_tokens": len(req.prompt_ids),
             "num_generated_tokens": len(req.emitted),
             "num_steps": steps,
-            # SpecInfer's "tokens verified per step": accepted drafts plus the LLM's own token.
-            "mean_accepted_per_step": (sum(req.accepted_per_step) + steps) / steps if steps else 0.0,
+            "mean_accepted_per_step": mean_tokens_per_step(req.accepted_per_step),
             "mean_accepted_drafts_per_step": sum(req.accepted_per_step) / steps if steps else 0.0,
             "queue_s": (req.admitted_s or now) - req.arrival_s,
             "ttft_s": (req.first_token_s or now) - req.arrival_s,

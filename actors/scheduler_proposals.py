@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.messages import ProposalRequest, ProposeBody, ProposeReply
 from treeserve.actors.scheduler_types import ProposalAsk, RequestState, RowPlan
-from treeserve.actors.tree_wire import params_to_wire, tree_from_wire
-from treeserve.actors.verifier_group import MalformedReply
 from treeserve.ops.drafting import split_node_budget
 from treeserve.ops.token_tree import TokenTree, merge_trees
 
 
 def proposal_asks(requests: Sequence[RequestState], tree_budget: int, num_speculators: int) -> tuple[ProposalAsk, ...]:
-    """One ``propose`` body per speculator with a draft node to spend, each with one entry per
+    """One ``propose`` call per speculator with a draft node to spend, each with one entry per
     request of ``requests`` (the rows that speculate this step, in plan order)."""
     if not requests:
         return ()
@@ -35,50 +35,43 @@ def proposal_asks(requests: Sequence[RequestState], tree_budget: int, num_specul
         if share <= 1:
             continue
         entries = []
-        states: list[np.ndarray] = []
         for req in requests:
-            entry: dict[str, Any] = {
-                "request_id": req.request_id,
-                "new_tokens": list(req.since_propose),
-                "max_depth": req.params.max_new_tokens - len(req.emitted) - 1,
-                "params": params_to_wire(req.params),
-                "max_nodes": share,
-            }
-            parts = req.states_pending
-            if index in req.needs_history:
-                entry["history"] = req.prompt_ids + req.emitted
-                parts = req.states_all
-            if parts:
-                entry["num_states"] = sum(len(part) for part in parts)
-                states.extend(parts)
-            entries.append(entry)
-        body: dict[str, Any] = {"requests": entries}
-        if states:  # stacked: one frame, whatever the number of requests
-            body["states"] = np.concatenate(states)
-        asks.append(ProposalAsk(index, body))
+            rebuild = index in req.needs_history
+            parts = req.states_all if rebuild else req.states_pending
+            entries.append(ProposalRequest(
+                req.request_id,
+                tuple(req.since_propose),
+                max_depth=req.params.max_new_tokens - len(req.emitted) - 1,
+                params=req.params,
+                max_nodes=share,
+                history=tuple(req.prompt_ids + req.emitted) if rebuild else None,
+                states=(parts[0] if len(parts) == 1 else np.concatenate(parts)) if parts else None,
+            ))
+        asks.append(ProposalAsk(index, ProposeBody(tuple(entries))))
     return tuple(asks)
 
 
 def take_proposals(requests: Sequence[RequestState], asks: Sequence[ProposalAsk], replies: Sequence[Any],
                    num_speculators: int) -> dict[str, list[TokenTree]]:
-    """The decoded trees per request id from ``replies[i]`` to ``asks[i]`` (None: that speculator
-    failed); records which speculators must be rebuilt from a request's history, and clears what
-    the asked speculators have now seen. :class:`MalformedReply` (or a tree's ``ValueError``) for
-    a reply that is not one tree (or None) per request."""
+    """The decoded trees per request id from ``replies[i]`` to ``asks[i]`` (wire dicts as they
+    came back; None: that speculator failed); records which speculators must be rebuilt from a
+    request's history, and clears what the asked speculators have now seen.
+    :class:`~treeserve.actors.messages.MalformedReply` for a reply that is not one tree (or None)
+    per request."""
     if len(replies) != len(asks):
         raise ValueError(f"{len(replies)} proposal replies for {len(asks)} asks")
     proposed: dict[str, list[TokenTree]] = {req.request_id: [] for req in requests}
-    for ask, reply in zip(asks, replies):
-        if reply is None:
+    for ask, wire in zip(asks, replies):
+        if wire is None:
             continue
-        wires, missing = _proposal_trees(ask.speculator, reply, len(requests))
-        for req, wire in zip(requests, wires):
-            if req.request_id in missing:
+        reply = ProposeReply.from_wire(wire, len(requests), ask.speculator)
+        for req, tree in zip(requests, reply.trees):
+            if req.request_id in reply.missing:
                 req.needs_history.add(ask.speculator)  # the speculator lost its state: resend history
             else:
                 req.needs_history.discard(ask.speculator)
-            if wire is not None:
-                proposed[req.request_id].append(tree_from_wire(wire))
+            if tree is not None:
+                proposed[req.request_id].append(tree)
     if asks:
         asked = {ask.speculator for ask in asks}
         for req in requests:
@@ -95,7 +88,7 @@ def verified_tree(root: int, proposed: Sequence[TokenTree], row: RowPlan, max_tr
     depth cut does not depend on the draws)."""
     candidates = [t for t in proposed if t.root_token == root]
     tree = merge_trees(candidates) if candidates else TokenTree.from_parents([-1], [root])
-    if row.mode == "chain":
+    if row.mode == Speculate.CHAIN:
         tree = tree.first_chain()
     keep = tree.depths() <= row.max_depth
     if not bool(keep.all()):
@@ -103,16 +96,6 @@ def verified_tree(root: int, proposed: Sequence[TokenTree], row: RowPlan, max_tr
     if tree.num_nodes > max_tree_nodes:  # the per-speculator shares prevent this
         raise RuntimeError(f"merged token tree of {tree.num_nodes} nodes exceeds max_tree_nodes")
     return tree
-
-
-def _proposal_trees(index: int, reply: Any, num_requests: int) -> tuple[list[Any], set[str]]:
-    """A ``propose`` reply's wire trees (one per request, None: no proposal) and the requests
-    the speculator had no state for; :class:`MalformedReply` if it is not that."""
-    if not isinstance(reply, dict) or not isinstance(reply.get("trees"), list):
-        raise MalformedReply(f"speculator {index} answered propose without a list 'trees'")
-    if len(reply["trees"]) != num_requests:
-        raise MalformedReply(f"speculator {index} answered {len(reply['trees'])} trees for {num_requests} requests")
-    return reply["trees"], set(reply.get("missing", ()))
 
 
 __all__ = ["proposal_asks", "take_proposals", "verified_tree"]

@@ -11,20 +11,22 @@ rows to release.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from treeserve.actors.policy import SchedulingPolicy, make_policy
-from treeserve.actors.verifier_group import RowVerdict
+from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.messages import LengthReport, ProposeBody, RowVerdict
+from treeserve.actors.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorError
 from treeserve.transport.wire import ErrorCode
 
-SPECULATE_MODES = ("tree", "chain", "none")
-PREDICTION_POLICIES = ("ssjf", "hrrn")
+SPECULATE_MODES: tuple[str, ...] = tuple(mode.value for mode in Speculate)
+"""The ``speculate`` values of a generate request (:class:`~treeserve.actors.gateway_request.Speculate`)."""
 
 
 class InvalidRequest(ActorError):
@@ -53,7 +55,7 @@ class SchedulerFault(ActorError):
 class SchedulerConfig:
     """Scheduler knobs. ``num_rows``/``row_capacity`` must match the verifier shards' cache;
     ``max_tree_nodes`` caps a merged token tree (root included); ``max_wait_s`` is the aging
-    bound of ``ssjf``/``hrrn``/``sjf-oracle``; ``step_timeout_s`` bounds each call to a shard;
+    bound of ``ssjf``/``hrrn``; ``step_timeout_s`` bounds each call to a shard;
     ``predict_timeout_s`` bounds the length prediction of one request (on timeout the request
     is queued without one, as if it would run to ``max_tokens``). ``adaptive_speculation``
     sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
@@ -112,7 +114,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    speculate: str
+    speculate: str  # one of SPECULATE_MODES
     arrival_s: float
     row: int | None = None
     emitted: list[int] = field(default_factory=list)
@@ -134,7 +136,7 @@ class RequestState:
 
     @property
     def speculates(self) -> bool:
-        return self.speculate != "none"
+        return self.speculate != Speculate.NONE
 
     def add_states(self, states: Any) -> None:
         """Keep LLM hidden states ``(n, D)`` of new tokens for the speculators."""
@@ -179,7 +181,7 @@ class RowPlan:
 
     @property
     def is_speculating(self) -> bool:
-        return self.mode != "none" and self.max_depth >= 1
+        return self.mode != Speculate.NONE and self.max_depth >= 1
 
 
 @dataclass(frozen=True)
@@ -188,16 +190,6 @@ class TokensOut:
 
     request_id: str
     token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class LengthReport:
-    """How long a request really ran, for a length predictor that learns online (``is_censored``:
-    the request ended before its natural end, so the length is a lower bound)."""
-
-    request_id: str
-    num_generated_tokens: int
-    is_censored: bool
 
 
 @dataclass(frozen=True)
@@ -248,10 +240,15 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class ProposalAsk:
-    """The ``propose`` body for speculator ``speculator``, one entry per speculating plan row."""
+    """The ``propose`` call for speculator ``speculator``: one request per speculating plan row;
+    ``body`` is its wire form, built once."""
 
     speculator: int
-    body: dict[str, Any]
+    request: ProposeBody
+
+    @functools.cached_property
+    def body(self) -> dict[str, Any]:
+        return self.request.to_wire()
 
 
 @dataclass(frozen=True)
@@ -285,7 +282,7 @@ class SchedulerStats:
 
 
 __all__ = [
-    "PREDICTION_POLICIES", "SPECULATE_MODES", "Admission", "Event", "InvalidRequest", "LengthReport", "ProposalAsk",
+    "SPECULATE_MODES", "Admission", "Event", "InvalidRequest", "LengthReport", "ProposalAsk",
     "Release", "RequestFailed", "RequestFinished", "RequestState", "RowPlan", "SchedulerConfig", "SchedulerFault",
     "SchedulerStats", "ServiceUnavailable", "StepEvents", "StepPlan", "StepReplies", "TokensOut",
 ]

@@ -15,16 +15,24 @@ the one large field: a dense float32 array (one frame), or, when it has at most
 sparse map of flat indices and float32 values, exact either way. Decoding validates everything
 and raises ``ValueError`` naming the bad field.
 
+A message with many trees stacks their dense ``draft_probs`` the same way: one ``(sum R_i, V)``
+array beside the trees, each such tree's field then being ``{"stacked": R_i}``
+(:func:`pack_trees`, :func:`unpack_trees`), so the trees of any number of rows cost one frame.
 Per-row hidden states (``(n_i, D)`` float32 for row ``i``) travel the same way for the same
 reason: stacked into one ``(sum n_i, D)`` array in the message (one frame, whatever the row
 count), with each row's ``num_states`` beside its other fields (:func:`stack_states`,
-:func:`split_states`).
+:func:`split_states`, :func:`split_row_states`).
+
+A request's sampling params are the same at every step: a receiver parses them once per
+request with a :class:`ParamsCache`. The message bodies built from these fields are
+:mod:`treeserve.actors.messages`'.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,6 +156,98 @@ def params_from_wire(wire: Any) -> SamplingParams:
         raise ValueError(f"invalid sampling params: {exc}") from None
 
 
+class ParamsCache:
+    """Each request's parsed :class:`SamplingParams`, so a receiver parses them once per request.
+
+    ``parse`` reuses the parsed params while a request's wire dict is unchanged (one dict
+    comparison instead of a parse); ``forget`` drops a request (at its ``release``). At most
+    ``max_entries`` requests are kept, the oldest forgotten first (a lost ``release`` only costs
+    a parse later)."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[Any, SamplingParams]] = OrderedDict()
+
+    def parse(self, request_id: str, wire: Any) -> SamplingParams:
+        hit = self._entries.get(request_id)
+        if hit is not None and hit[0] == wire:
+            return hit[1]
+        params = params_from_wire(wire)
+        self._entries[request_id] = (wire, params)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return params
+
+    def forget(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def pack_trees(trees: Sequence[TokenTree | None]) -> tuple[list[dict[str, Any] | None], np.ndarray | None]:
+    """The trees' wire dicts, their dense ``draft_probs`` stacked into one float32 ``(sum R_i, V)``
+    array (None: no tree has dense probs); :func:`unpack_trees` inverts it exactly."""
+    wires: list[dict[str, Any] | None] = []
+    dense: list[np.ndarray] = []
+    for tree in trees:
+        wire = None if tree is None else tree_to_wire(tree)
+        if wire is not None and isinstance(wire["draft_probs"], np.ndarray):
+            dense.append(wire["draft_probs"])
+            wire["draft_probs"] = {"stacked": int(wire["draft_probs"].shape[0])}
+        wires.append(wire)
+    if not dense:
+        return wires, None
+    if len({d.shape[1] for d in dense}) != 1:  # every draft is over the verifier's vocabulary
+        raise ValueError(f"trees' draft_probs have different vocab sizes {sorted({d.shape[1] for d in dense})}")
+    return wires, np.concatenate(dense)
+
+
+def unpack_trees(wires: Sequence[Any], stacked: Any) -> list[TokenTree | None]:
+    """Decode :func:`pack_trees`' output (``ValueError`` names what is malformed)."""
+    counts: list[int | None] = []
+    for wire in wires:
+        probs = wire.get("draft_probs") if isinstance(wire, Mapping) else None
+        if isinstance(probs, Mapping) and set(probs) == {"stacked"}:
+            counts.append(_count(probs["stacked"], "a tree's stacked draft_probs rows"))
+        else:
+            counts.append(None)
+    if all(c is None for c in counts):
+        if stacked is not None:
+            raise ValueError("the body's stacked draft_probs belong to no tree")
+        return [None if w is None else tree_from_wire(w) for w in wires]
+    if stacked is None:
+        raise ValueError("trees refer to stacked draft_probs but the body has none")
+    array = np.asarray(stacked)
+    if array.ndim != 2 or array.dtype.kind != "f" or array.shape[0] != sum(c or 0 for c in counts):
+        raise ValueError(f"stacked draft_probs {array.dtype} {array.shape} do not hold the trees' "
+                         f"{sum(c or 0 for c in counts)} rows")
+    trees: list[TokenTree | None] = []
+    offset = 0
+    for wire, count in zip(wires, counts):
+        if count is not None:
+            wire = {**wire, "draft_probs": array[offset:offset + count]}
+            offset += count
+        trees.append(None if wire is None else tree_from_wire(wire))
+    return trees
+
+
+def split_row_states(stacked: Any, counts: Sequence[int | None], dim: int | None = None) -> list[np.ndarray | None]:
+    """Each row's slice of ``stacked`` states, given each row's count (None: the row has none)."""
+    if all(c is None for c in counts):
+        return [None] * len(counts)
+    if stacked is None:
+        raise ValueError("rows give num_states but the body has no stacked 'states'")
+    parts = split_states(stacked, [c or 0 for c in counts], dim)
+    return [None if c is None else p for c, p in zip(counts, parts)]
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def _int_vector(value: Any, name: str) -> Tensor:
     if isinstance(value, Tensor):
         array = value.detach().cpu().numpy()
@@ -216,4 +316,7 @@ def _check_probs(probs: Tensor) -> None:
         raise ValueError("draft_probs must be finite and non-negative")
 
 
-__all__ = ["SPARSE_MAX_NONZEROS", "params_from_wire", "params_to_wire", "tree_from_wire", "tree_to_wire"]
+__all__ = [
+    "SPARSE_MAX_NONZEROS", "ParamsCache", "pack_trees", "params_from_wire", "params_to_wire", "split_row_states",
+    "split_states", "stack_states", "tree_from_wire", "tree_to_wire", "unpack_trees",
+]

@@ -7,8 +7,9 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
 * ``prefill {"rows": [{"row", "prompt_ids"}]}`` -> ``{"rows": [{"row", "length"}]}``: reset each
   row and commit its prompt except the last token (the root of the row's first token tree);
   a burst of admissions shares batched forwards (:func:`~treeserve.ops.batch_step.prefill_rows`).
-* ``step {"rows": [{"row", "tree", "params", "request_id"}]}`` -> ``{"rows": [{"row", "accepted",
-  "bonus_token", "new_tokens"}]}``: one batched forward per compact block of rows
+* ``step {"rows": [{"row", "tree", "params", "request_id"}], "draft_probs"?}`` -> ``{"rows": [{"row",
+  "accepted", "bonus_token", "new_tokens"}]}`` (the trees' dense draft probabilities stacked in
+  ``draft_probs``, see :mod:`treeserve.actors.messages`): one batched forward per compact block of rows
   (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
   A row that fails numerically (non-finite logits or probabilities) answers
   ``{"row", "error": str}`` instead and commits only its root; the other rows of the step are
@@ -45,20 +46,22 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from treeserve.actors.messages import PrefillBody, PrefilledRow, PrefillReply, RowRelease, RowVerdict, StepBody, StepReply
 from treeserve.actors.model_host import (
     DTYPES,
     SerialOffload,
-    check_body,
     check_device,
     check_int,
     check_model_name,
     check_str_or_none,
     consume_exception,
 )
-from treeserve.actors.tree_wire import params_from_wire, stack_states, tree_from_wire
+from treeserve.actors.scheduler_types import SchedulerConfig
+from treeserve.actors.tree_wire import ParamsCache
 from treeserve.ops.batch_step import (
     RowStep,
     prefill_rows,
@@ -94,7 +97,7 @@ class VerifierConfig:
     tp_size: int = 1
     dist_init: str | None = None
     device: str = "cpu"
-    num_rows: int = 8
+    num_rows: int = SchedulerConfig.num_rows  # the one default: the scheduler's rows are the shards' rows
     row_capacity: int | None = None
     dist_timeout_s: float = 120.0
     num_threads: int | None = None
@@ -132,6 +135,11 @@ class VerifierConfig:
         return cls(**config)
 
 
+def _float32(states: Tensor) -> np.ndarray:
+    """Hidden states as the float32 array that travels."""
+    return np.asarray(states.float().cpu(), dtype=np.float32)
+
+
 def _zero_row(cache: KVCache, row: int) -> None:
     cache.reset_row(row)
     for tensor in (*cache.keys, *cache.values):  # (B, n_kv, capacity, hd) each
@@ -148,6 +156,7 @@ class VerifierShard(Actor):
         self._cache: KVCache | None = None
         self._info: dict[str, Any] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._params = ParamsCache()  # each request's params, parsed at its first step
         self._setup: asyncio.Future[None] | None = None
         self._has_group = False
         self._rows_to_scrub: set[int] = set()  # rows whose cache may hold non-finite values
@@ -217,7 +226,7 @@ class VerifierShard(Actor):
         # q4_1 takes the GGUF's blocks whole, which a tensor-parallel shard does not hold: auto
         # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
         weight_format = "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
-        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir)
+        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir, background=True)
         self._model = model
         self._cache = model.new_cache(cfg.num_rows, capacity)
 
@@ -241,45 +250,26 @@ class VerifierShard(Actor):
         row's first root. A row with ``"return_states": true`` gets ``"num_states"`` in its reply,
         and the reply's ``"states"`` stacks those rows' final hidden states of ``prompt_ids[:-1]``
         (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
-        row count, see ``tree_wire.stack_states``). Every entry is checked before any row is
-        reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
-        body = check_body(body, ("rows",), ("rank0_answers",))
-        acks_only = self._acks_only(body)
+        row count, see :class:`~treeserve.actors.messages.PrefillReply`). Every entry is checked
+        before any row is reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
+        call = PrefillBody.from_wire(body)
+        acks_only = call.rank0_answers and self.config.tp_rank > 0
         model, cache = await self._ready()
-        entries = body["rows"]
-        if not isinstance(entries, (list, tuple)) or not entries:
-            raise ValueError("prefill needs a non-empty list 'rows'")
-        jobs: list[tuple[int, list[int]]] = []
-        wants: list[bool] = []
-        for entry in entries:
-            entry = check_body(entry, ("row", "prompt_ids"), ("return_states",))
-            prompt = entry["prompt_ids"]
-            if not isinstance(prompt, (list, tuple)) or not prompt:
-                raise ValueError("prompt_ids must be a non-empty list of token ids")
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise ValueError("prompt_ids must hold integers")
-            if len(prompt) >= self._info["row_capacity"]:
-                raise ValueError(
-                    f"a prompt of {len(prompt)} tokens leaves no room in a row of {self._info['row_capacity']} tokens"
-                )
-            jobs.append((self._row(entry["row"]), list(prompt[:-1])))
-            wants.append(entry.get("return_states") is True and not acks_only)
+        capacity = self._info["row_capacity"]
+        for entry in call.rows:
+            self._row(entry.row)
+            if len(entry.prompt_ids) >= capacity:
+                raise ValueError(f"a prompt of {len(entry.prompt_ids)} tokens leaves no room in a row of {capacity} tokens")
+        jobs = [(entry.row, list(entry.prompt_ids[:-1])) for entry in call.rows]
+        wants = [entry.return_states and not acks_only for entry in call.rows]
         for row, _ in jobs:
             await self._scrub_if_needed(cache, row)
         results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
         if acks_only:
             return None
-        rows: list[dict[str, Any]] = []
-        wanted: list[Tensor] = []
-        for (row, _), (length, states), want in zip(jobs, results, wants):
-            reply: dict[str, Any] = {"row": row, "length": length}
-            if want:
-                reply["num_states"] = int(states.shape[0])
-                wanted.append(states)
-            rows.append(reply)
-        if not any(wants):
-            return {"rows": rows}
-        return {"rows": rows, "states": stack_states(wanted, self._info["dim"])}
+        return PrefillReply(tuple(PrefilledRow(row, length, _float32(states) if want else None)
+                                  for (row, _), (length, states), want in zip(jobs, results, wants))
+                            ).to_wire(self._info["dim"])
 
     @handler
     async def step(self, body: Any) -> dict[str, Any] | None:
@@ -287,54 +277,35 @@ class VerifierShard(Actor):
         With ``"return_states": true`` each row's reply carries ``"num_states"`` and the reply's
         ``"states"`` stacks the rows' final hidden states of their accepted nodes, root first
         (float32 ``(sum len(accepted), D)`` in row order; failed rows have none). ``None`` on
-        ranks >= 1 of a ``rank0_answers`` call."""
-        body = check_body(body, ("rows",), ("return_states", "rank0_answers"))
-        acks_only = self._acks_only(body)
+        ranks >= 1 of a ``rank0_answers`` call. Each request's params are parsed at its first
+        step only (:class:`~treeserve.actors.tree_wire.ParamsCache`)."""
+        call = StepBody.from_wire(body, self._params)
+        acks_only = call.rank0_answers and self.config.tp_rank > 0
         model, cache = await self._ready()
-        entries = body["rows"]
-        if not isinstance(entries, (list, tuple)) or not entries:
-            raise ValueError("step needs a non-empty list 'rows'")
-        steps: list[RowStep] = []
-        for entry in entries:
-            entry = check_body(entry, ("row", "tree", "params", "request_id"))
-            request_id = entry["request_id"]
-            if not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a string, got {request_id!r}")
-            tree = tree_from_wire(entry["tree"])
-            params = params_from_wire(entry["params"])
-            steps.append(RowStep(self._row(entry["row"]), tree, params, self._generator_for(request_id, params)))
-        want_states = body.get("return_states") is True and not acks_only
+        steps = [RowStep(self._row(r.row), r.tree, r.params, self._generator_for(r.request_id, r.params))
+                 for r in call.rows]
+        want_states = call.return_states and not acks_only
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
         if acks_only:
             return None
-        rows: list[dict[str, Any]] = []
-        kept: list[Tensor] = []
+        verdicts = []
         for index, (step, result) in enumerate(zip(steps, results)):
             if step.row in failures:
-                rows.append({"row": step.row, "error": failures[step.row]})
-                continue
-            row: dict[str, Any] = {
-                "row": step.row,
-                "accepted": list(result.accepted),
-                "bonus_token": result.bonus_token,
-                "new_tokens": result.new_tokens(step.tree),
-            }
-            if want_states:
-                row["num_states"] = int(states[index].shape[0])
-                kept.append(states[index])
-            rows.append(row)
-        if not want_states:
-            return {"rows": rows}
-        return {"rows": rows, "states": stack_states(kept, self._info["dim"])}
+                verdicts.append(RowVerdict(step.row, error=failures[step.row]))
+            else:
+                verdicts.append(RowVerdict(step.row, tuple(result.accepted), tuple(result.new_tokens(step.tree)),
+                                           _float32(states[index]) if want_states else None))
+        return StepReply(tuple(verdicts), want_states).to_wire(self._info["dim"])
 
     @handler
     async def release(self, body: Any) -> None:
-        """Forget ``row``'s KV cache and ``request_id``'s generator (idempotent)."""
-        body = check_body(body, ("row", "request_id"))
+        """Forget ``row``'s KV cache and ``request_id``'s generator and params (idempotent)."""
+        call = RowRelease.from_wire(body)
         _model, cache = await self._ready()
-        row = self._row(body["row"])
-        self._generators.pop(str(body["request_id"]), None)
+        row = self._row(call.row)
+        self._generators.pop(call.request_id, None)
+        self._params.forget(call.request_id)
         await self._offload.run(cache.reset_row, row)
         await self._scrub_if_needed(cache, row)
 
@@ -346,13 +317,6 @@ class VerifierShard(Actor):
             await self._offload.run(_zero_row, cache, row)
 
     # ------------------------------------------------------------------ helpers
-    def _acks_only(self, body: Mapping[str, Any]) -> bool:
-        """Whether this rank answers ``None``: a rank >= 1 in a ``rank0_answers`` call."""
-        flag = body.get("rank0_answers", False)
-        if not isinstance(flag, bool):
-            raise ValueError(f"rank0_answers must be a boolean, got {flag!r}")
-        return flag and self.config.tp_rank > 0
-
     def _row(self, value: Any) -> int:
         row = check_int(value, "row")
         if row >= self.config.num_rows:

@@ -13,7 +13,8 @@ next to the real one (``sim_mean_jct_s``, ``sim_error``: the simulator's calibra
 speculation ``none`` (one-node trees) and ``tree`` and fits ``step_s = base + per_row * rows``
 (a :class:`LatencyModel`), saved to ``--latency-model``.
 
-``--simulate`` runs the real policy objects of ``treeserve.actors.policy`` in a discrete-event
+``--simulate`` runs the real policy objects of ``treeserve.actors.policy`` (and the SJF oracle,
+an offline bound defined here) in a discrete-event
 copy of the scheduler's loop (admit in policy order into free rows, prefill, one batched step
 for all running requests) driven by that latency model, over Poisson and bursty Gamma
 arrivals at several loads, with jobs from a predictions CSV (``treeserve train-predictor
@@ -46,8 +47,21 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.policy import QueuedRequest, make_policy
+from treeserve.actors.policy import (
+    POLICY_NAMES,
+    PREDICTION_POLICIES,
+    PolicyName,
+    QueuedRequest,
+    SchedulingPolicy,
+    SSJFPolicy,
+    make_policy,
+)
+from treeserve.actors.gateway_request import Speculate
 
+SJF_ORACLE = "sjf-oracle"
+SSJF_MAX_TOKENS = "ssjf-max-tokens"
+SIMULATED_POLICIES = (*POLICY_NAMES, SJF_ORACLE, SSJF_MAX_TOKENS)
+"""What the simulator runs: the server's policies, the oracle bound, and SSJF without a predictor."""
 METRICS = ("mean_jct_s", "p50_jct_s", "p99_jct_s", "mean_wait_s", "max_wait_s", "req_per_s", "tokens_per_s")
 
 
@@ -113,6 +127,36 @@ def with_ratios(per_policy: dict[str, dict[str, float]]) -> dict[str, dict[str, 
 
 
 # ---------------------------------------------------------------------------------- simulator
+class SJFOraclePolicy(SSJFPolicy):
+    """Shortest *true* output length first: an offline comparison bound, not deployable.
+
+    Reads ``true_len`` (required on every request). Aging is off by default
+    (``max_wait_s=math.inf``, pure SJF); with a finite ``max_wait_s`` it has the same
+    promotion rule and wait bound as :class:`~treeserve.actors.policy.SSJFPolicy`.
+    """
+
+    def __init__(self, max_wait_s: float = math.inf) -> None:
+        super().__init__(max_wait_s)
+
+    def _check_request(self, request: QueuedRequest) -> None:
+        if request.true_len is None:
+            raise ValueError(f"sjf-oracle needs true_len on every request; {request.request_id!r} has none")
+
+    def _job_size(self, request: QueuedRequest) -> float:
+        assert request.true_len is not None  # enforced by _check_request on add
+        return float(request.true_len)
+
+
+def make_simulated_policy(name: str, max_wait_s: float) -> SchedulingPolicy:
+    """A fresh policy of :data:`SIMULATED_POLICIES`: ``max_wait_s`` is the aging bound of the
+    server's length-aware policies; the oracle runs without aging (the bound a perfect
+    predictor could reach); ``ssjf-max-tokens`` is SSJF whose jobs carry no prediction."""
+    if name == SJF_ORACLE:
+        return SJFOraclePolicy()
+    name = PolicyName.SSJF.value if name == SSJF_MAX_TOKENS else name
+    return make_policy(name, **({"max_wait_s": max_wait_s} if name in PREDICTION_POLICIES else {}))
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """Cost of the server's loop: one verify step of ``n`` running rows takes
@@ -151,14 +195,10 @@ def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_
     clock); then one step advances every running request by ``tokens_per_step`` tokens
     (fractional progress accumulates; at least one token per step) and takes
     ``latency.step_s(rows)``; a request finishes once it has ``min(true_len, max_tokens)``.
-    ``max_wait_s`` is the aging bound of ``ssjf``/``hrrn``; ``sjf-oracle`` runs without aging.
+    ``policy`` is one of :data:`SIMULATED_POLICIES` (see :func:`make_simulated_policy`).
     """
-    # The oracle stays pure SJF (no aging): the bound a perfect predictor could reach.
-    # ``ssjf-max-tokens`` is the ablation: SSJF with aging but no predictor (max_tokens only).
-    without_predictor = policy == "ssjf-max-tokens"
-    policy = "ssjf" if without_predictor else policy
-    options = {"max_wait_s": max_wait_s} if policy in ("ssjf", "hrrn") else {}
-    queue = make_policy(policy, **options)
+    without_predictor = policy == SSJF_MAX_TOKENS
+    queue = make_simulated_policy(policy, max_wait_s)
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
     next_arrival = 0
     now = 0.0 if not jobs else jobs[order[0]].arrival_s
@@ -256,7 +296,7 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str) -> Any:
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
-                        speculators=() if args.speculate == "none" else None)
+                        speculators=() if args.speculate == Speculate.NONE else None)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
@@ -297,11 +337,11 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     prompt = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper."}]
     fits: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="treeserve-cal-") as tmp:
-        async with Server(_server_config(args, "fcfs", f"ipc://{tmp}/gw.sock")) as server, \
+        async with Server(_server_config(args, PolicyName.FCFS.value, f"ipc://{tmp}/gw.sock")) as server, \
                 Client(server.endpoint) as client:
             assert server.scheduler is not None
             await client.generate("Hello", max_tokens=4)
-            for mode in ("none", "tree"):
+            for mode in (Speculate.NONE.value, Speculate.TREE.value):
                 points, gains, prefill = [], [], []
                 for rows in sorted({1, 2, max(1, args.num_rows // 2), args.num_rows}):
                     before = await server.scheduler.ask("stats")
@@ -392,13 +432,13 @@ def _load_latency(args: argparse.Namespace) -> LatencyModel:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
     parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_small.jsonl")
-    parser.add_argument("--policy", nargs="+", default=["fcfs", "ssjf"],
-                        choices=["fcfs", "ssjf", "sjf-oracle", "hrrn"])
+    parser.add_argument("--policy", nargs="+", default=[PolicyName.FCFS.value, PolicyName.SSJF.value], choices=[*POLICY_NAMES, SJF_ORACLE],
+                        help=f"{SJF_ORACLE} reads true lengths, so it runs only in the simulator (--simulate)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-rows", type=int, default=4, help="concurrent requests (KV rows)")
     parser.add_argument("--row-capacity", type=int, default=1024)
     parser.add_argument("--max-wait-s", type=float, default=30.0, help="SSJF/HRRN aging bound")
-    parser.add_argument("--speculate", default="tree", choices=["tree", "chain", "none"])
+    parser.add_argument("--speculate", default="tree", choices=[m.value for m in Speculate])
     parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
     parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
     parser.add_argument("--make-trace", type=Path, default=None,
@@ -420,7 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if SJF_ORACLE in args.policy and not args.simulate:
+        parser.error(f"--policy {SJF_ORACLE} needs --simulate: a server cannot know true output lengths")
     out: dict[str, Any] = {}
     if args.make_trace is not None:
         entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed)
@@ -438,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.jobs is None:
             raise SystemExit("--simulate needs --jobs (a predictions CSV from treeserve train-predictor --predictions-out)")
         pool = read_jobs_csv(args.jobs, args.max_tokens)
-        policies = list(dict.fromkeys(list(args.policy) + ["ssjf-max-tokens", "sjf-oracle"]))
+        policies = list(dict.fromkeys([*args.policy, SSJF_MAX_TOKENS, SJF_ORACLE]))
         rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
                      loads=args.loads, num_jobs=args.num_jobs, seed=args.seed)
         out["simulation"] = {"latency_model": asdict(latency), "num_rows": args.num_rows, "sweep": rows}

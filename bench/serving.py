@@ -37,6 +37,8 @@ from typing import Any
 
 import uvloop
 
+from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.policy import PolicyName
 from treeserve.client import Client
 from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.server import Server, ServerConfig
@@ -114,11 +116,11 @@ async def concurrency(endpoint: str, prompts: list[str], speculate: str, num_cli
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args)
-    modes = ["none", "chain", "tree"]
+    modes = [Speculate.NONE.value, Speculate.CHAIN.value, Speculate.TREE.value]
     with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as tmp:
         config = ServerConfig(
             model=args.model, dtype=args.dtype, bind=f"ipc://{tmp}/gw.sock", num_rows=16,
-            row_capacity=args.row_capacity, scheduler="fcfs", adaptive_speculation=False,
+            row_capacity=args.row_capacity, scheduler=PolicyName.FCFS.value, adaptive_speculation=False,
             max_tree_nodes=args.max_tree_nodes,
         )
         async with Server(config, progress=_log) as server, Client(server.endpoint) as client:
@@ -136,7 +138,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                 "speculators": [dict(s) for s in config.resolved_speculators()], "max_tree_nodes": args.max_tree_nodes,
             }, "batch1": {}, "concurrency": {}}
-            base = _median([r["tokens_per_s"] for r in batch1["none"]])
+            base = _median([r["tokens_per_s"] for r in batch1[Speculate.NONE.value]])
             for mode in modes if not args.skip_batch1 else []:
                 tps = _median([r["tokens_per_s"] for r in batch1[mode]])
                 result["batch1"][mode] = {
@@ -146,12 +148,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio_to_none": tps / base if base else 0.0,
                 }
             for num_clients in args.clients:
-                await _rounds(result, server.endpoint, prompts, {"tree": "tree"}, num_clients, args)
+                await _rounds(result, server.endpoint, prompts, {"tree": Speculate.TREE.value}, num_clients, args)
         adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
         async with Server(adaptive, progress=_log) as server:
             for num_clients in args.clients:
-                await concurrency(server.endpoint, prompts, "tree", num_clients, args.max_tokens)  # learn
-                await _rounds(result, server.endpoint, prompts, {"none": "none", "tree-adaptive": "tree"},
+                await concurrency(server.endpoint, prompts, Speculate.TREE.value, num_clients, args.max_tokens)  # learn
+                await _rounds(result, server.endpoint, prompts,
+                              {"none": Speculate.NONE.value, "tree-adaptive": Speculate.TREE.value},
                               num_clients, args)
             assert server.scheduler is not None
             result["adaptive_state"] = (await server.scheduler.ask("stats")).get("adaptive")

@@ -8,7 +8,7 @@ prompt ids, for every mode and temperature:
   (the feature drafter when its weights exist, else the first distilled SSM, else n-gram);
   ``chain:<kind>`` picks the kind;
 - ``tree:ngram``, ``tree:feature`` (the EAGLE-style drafter of ``treeserve.ops.feature_drafter``),
-  ``tree:distilled`` (when ``treeserve.ops.ssm`` has trained weights; several SSMs are merged)
+  ``tree:distilled`` (with ``--ssm PATH``, a ``treeserve distill`` file; its SSMs are merged)
   and ``tree:merged`` (every available speculator merged);
 - peers on the same weights and dtype: ``hf-generate`` (``generate()``), ``hf-prompt-lookup``
   (``prompt_lookup_num_tokens=10``), and ``llama-cpp`` when ``llama_cpp`` is importable.
@@ -41,10 +41,17 @@ from typing import Any
 
 import torch
 
+from treeserve.actors.speculator_factory import (
+    NGRAM_OPTIONS,
+    SpeculatorKind,
+    SpeculatorSpec,
+    load_drafter,
+    make_speculator,
+    parse_speculator,
+)
 from treeserve.ops.drafting import Speculator
 from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.ops.model import Transformer
-from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
 
@@ -55,8 +62,6 @@ TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:feature", "tree:d
 PEER_MODES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
 ALL_MODES = TREESERVE_MODES + PEER_MODES
 HF_PROMPT_LOOKUP_TOKENS = 10
-# Same n-gram options as the server's default speculator (treeserve.server.DEFAULT_SPECULATORS).
-NGRAM_OPTIONS: dict[str, int] = {"max_ngram": 3, "num_draft_tokens": 8, "num_branches": 2}
 
 
 @dataclass(frozen=True)
@@ -130,28 +135,36 @@ def load_prompts(dataset: str | None = None, prompts_file: str | Path | None = N
     return prompts[:limit] if limit is not None else prompts
 
 
-def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None = None,
-                     with_distilled: bool = True) -> Available:
-    """The n-gram speculator and, if ``treeserve.ops.ssm`` loads trained weights, the distilled SSMs.
+def _from_factory(spec: SpeculatorSpec, model: Transformer) -> Speculator:
+    """The speculator the server would run for ``spec`` (:mod:`treeserve.actors.speculator_factory`)."""
+    return make_speculator(spec, load_drafter(spec, model), model.config.vocab_size)
 
-    Any failure of the distilled import or load is logged and recorded as a skip, never raised.
+
+def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None = None,
+                     with_distilled: bool = True, ssm_path: str | Path | None = None) -> Available:
+    """The n-gram speculator (the server's default options), the shipped feature drafter when it
+    fits ``model``, and the distilled SSMs of ``ssm_path`` (none is shipped).
+
+    Any failure of the feature or distilled load is logged and recorded as a skip, never raised.
     """
     available = Available()
     options = NGRAM_OPTIONS if ngram_options is None else ngram_options
-    available.speculators["ngram"] = [NGramSpeculator(model.config.vocab_size, **options)]
+    available.speculators["ngram"] = [_from_factory(SpeculatorSpec(SpeculatorKind.NGRAM, dict(options)), model)]
     try:
-        from treeserve.ops.feature_drafter import FeatureSpeculator, load_feature_drafter
-
-        available.speculators["feature"] = [FeatureSpeculator(load_feature_drafter(model))]
+        available.speculators["feature"] = [_from_factory(parse_speculator(SpeculatorKind.FEATURE), model)]
     except (FileNotFoundError, ValueError) as exc:
         logger.warning("feature drafter unavailable, skipping tree:feature (%s)", exc)
         available.skipped["tree:feature"] = f"{type(exc).__name__}: {exc}"
     if not with_distilled:
         return available
+    if ssm_path is None:
+        available.skipped["tree:distilled"] = "no --ssm file (none is shipped; `treeserve distill` writes one)"
+        return available
     try:
-        from treeserve.ops.ssm import load_distilled_speculators  # another engineer's module, optional
+        # Every SSM of the file, merged (a distilled:PATH spec picks one of them).
+        from treeserve.ops.ssm import load_distilled_speculators
 
-        ssms = list(load_distilled_speculators(model))
+        ssms = list(load_distilled_speculators(model, ssm_path))
         if not ssms:
             raise FileNotFoundError("load_distilled_speculators returned no speculators")
     except Exception as exc:  # noqa: BLE001 - any failure just skips the distilled modes
@@ -389,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tree-nodes", type=int, default=64, help="token tree budget per verify step")
     parser.add_argument("--merge", nargs="+", default=None, metavar="KIND",
                         help="speculator kinds tree:merged merges, in the order tried at a node (default: every available kind)")
+    parser.add_argument("--ssm", default=None, metavar="PATH",
+                        help="distilled SSMs (a `treeserve distill` file) for the distilled modes; none is shipped")
     parser.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each mode's warm-up run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
@@ -461,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         prompts.append((prompt.id, ids))
 
-    available = load_speculators(model, with_distilled=any("distilled" in m or m == "tree:merged" for m in requested))
+    available = load_speculators(model, with_distilled=any("distilled" in m or m == "tree:merged" for m in requested),
+                                 ssm_path=args.ssm)
     if args.modes is None and len(available.speculators) < 2:
         requested.remove("tree:merged")
         available.skipped["tree:merged"] = "only one speculator kind available (same as tree:ngram)"
@@ -490,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": model_name, "dtype": args.dtype, "threads": threads, "batch_size": 1,
             "max_tokens": args.max_tokens, "temperatures": args.temperatures, "seed": args.seed,
             "limit": args.limit, "num_prompts": len(prompts), "modes": [m.name for m in modes],
-            "skipped": available.skipped, "ngram": NGRAM_OPTIONS, "max_tree_nodes": args.max_tree_nodes,
+            "skipped": available.skipped, "ngram": dict(NGRAM_OPTIONS), "max_tree_nodes": args.max_tree_nodes,
             "merge": args.merge,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "warmup_tokens": args.warmup_tokens,
             "peer_weights": str(source), "torch": torch.__version__, "transformers": hf_version,

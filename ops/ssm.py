@@ -32,9 +32,6 @@ from treeserve.ops.model import Block, ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
 
-DEFAULT_SSM_FILE = Path(__file__).parent / "data" / "ssm_smollm2-135m-instruct.safetensors"
-"""The shipped boost-tuned SSMs of the default model (SmolLM2-135M-Instruct)."""
-
 DEFAULT_WIDTHS: tuple[int, ...] = (2, 1, 1, 1)
 """Default spine widths: two alternatives at depth 1, then a chain (4 deep). On 10 MT-Bench
 prompts this (with the early stop below) accepted about as much as ``(2, 2, 1, 1, 1, 1)``
@@ -396,17 +393,18 @@ def load_ssms(verifier: Transformer, path: str | Path) -> list[DistilledSSM]:
 
 
 def load_distilled_speculators(
-    model: Transformer, path: str | Path | None = None, expansion: Sequence[int] | None = None, *,
+    model: Transformer, path: str | Path, expansion: Sequence[int] | None = None, *,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
 ) -> list[Speculator]:
-    """One :class:`DistilledSpeculator` per SSM in ``path`` (default: the shipped file).
+    """One :class:`DistilledSpeculator` per SSM in ``path``, a :func:`save_ssms` file (none is
+    shipped: they do not pay off on the default model; ``treeserve distill`` trains them).
 
     ``expansion`` is the spine widths (default :data:`DEFAULT_WIDTHS`); ``min_confidence`` the
     greedy early stop of :class:`DistilledSpeculator`. Raises
     ``FileNotFoundError`` when there is no weights file, ``ValueError`` when it does not fit
     ``model``. Merge the speculators' trees (``generate_speculative`` does) to use them together.
     """
-    ssms = load_ssms(model, DEFAULT_SSM_FILE if path is None else path)
+    ssms = load_ssms(model, path)
     widths = DEFAULT_WIDTHS if expansion is None else tuple(expansion)
     return [DistilledSpeculator(ssm, widths, min_confidence=min_confidence) for ssm in ssms]
 

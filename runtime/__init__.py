@@ -21,6 +21,10 @@ Design decisions worth knowing:
   failed child on the same endpoint, so existing refs reach the new incarnation. While
   the child is down, calls fail fast with ``ActorDeadError`` (retryable); calls pending
   when it died fail at once with ``ActorDeadError``.
+* A remote request arrives through ``Inbound`` (``runtime/inbound.py``, the ROUTER
+  request path the public gateway uses too); remote calls leave through ``Outbound``
+  (which the Python client uses too). With ``RuntimeConfig.curve`` (a ``LinkCurve``)
+  every link is CURVE-encrypted and admits only allow-listed keys.
 * The library never creates or sets an event loop; only ``treeserve.runtime.child``
   (a program entry point) runs ``uvloop.run``.
 """
@@ -32,10 +36,12 @@ from treeserve.runtime.config import (
     RuntimeConfig,
     SupervisorConfig,
 )
+from treeserve.runtime.curve import LinkCurve
 from treeserve.runtime.errors import (
     ActorDeadError,
     ActorError,
     CallCancelled,
+    ConnectionLost,
     DeadlineExceeded,
     NoSuchActor,
     NoSuchMethod,
@@ -61,8 +67,10 @@ __all__ = [
     "ChildSpec",
     "ChildState",
     "ChildTransport",
+    "ConnectionLost",
     "DeadlineExceeded",
     "HandlerKind",
+    "LinkCurve",
     "LocalSupervisor",
     "NoSuchActor",
     "NoSuchMethod",

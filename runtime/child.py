@@ -66,6 +66,7 @@ async def _serve(spec: ChildLaunch) -> None:
         heartbeat_interval_s=spec.heartbeat_interval_s,
         close_timeout_s=2.0,
         allow_public_bind=spec.allow_public_bind,
+        curve=spec.curve,
     )
     async with Runtime(config) as rt:
         await rt.spawn(actor_cls, *decode_args(spec.args, rt.node), name=spec.name)

@@ -17,10 +17,12 @@ bodies both ways). Failure handling:
   runtime kills its children).
 
 Trust and security: joining a head lets it start any importable actor class on the
-node. Node links are plain ZMTP over TCP: CURVE between runtime nodes is not
-supported by the runtime's sockets yet, so a non-loopback ``advertise_host`` needs
-``allow_public_bind=True`` and a trusted network (the supervisor passes that flag on to
-the node's child processes through ``ChildLaunch``).
+node. A non-loopback ``advertise_host`` needs ``allow_public_bind=True`` (the supervisor
+passes that flag on to the node's child processes through ``ChildLaunch``). The links
+are plain ZMTP unless the head's ``RuntimeConfig.curve`` and the node's
+``NodeConfig.curve`` are set (``runtime/curve.py``): then every ROUTER of the cluster,
+children included, admits only allow-listed CURVE client keys, and a node whose key is
+not on the head's list gets no message through, so ``join`` fails with ``JoinError``.
 """
 
 from __future__ import annotations
@@ -188,6 +190,7 @@ async def join(
         supervisor=config.supervisor,
         allow_public_bind=config.allow_public_bind,
         close_timeout_s=config.close_timeout_s,
+        curve=config.curve,
     )
     async with NodeRuntime(runtime_config, config.advertise_host) as rt:
         registry = rt.ref(head_endpoint, REGISTRY_NAME)

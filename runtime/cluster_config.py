@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from treeserve.runtime.config import RestartStrategy, SupervisorConfig
+from treeserve.runtime.curve import LinkCurve
 from treeserve.transport.sockets import is_loopback_endpoint
 
 __all__ = [
@@ -59,10 +60,12 @@ class NodeConfig:
     ``advertise_host`` is the address the node's runtime and every child actor bind,
     and so the address the head connects to; it must be an address of this host that
     the head can reach (loopback only works when the head runs on the same host). A
-    non-loopback address needs ``allow_public_bind=True``: the runtime's node sockets
-    do not use CURVE yet, so such links are plaintext and unauthenticated (use a
-    trusted network). ``devices`` overrides device detection (None: ``["cuda:0", ...]``
-    when torch sees CUDA devices, else ``["cpu"]``). ``supervisor`` configures the
+    non-loopback address needs ``allow_public_bind=True``. ``curve`` secures the links:
+    the node's ROUTERs (its own and its children's) admit only the allow-listed CURVE
+    keys and its calls to the head are CURVE clients; the head's runtime must be given a
+    matching ``RuntimeConfig.curve`` (``runtime/curve.py``). Without it the links are
+    plaintext and unauthenticated: use a trusted network. ``devices`` overrides device
+    detection (None: ``["cuda:0", ...]`` when torch sees CUDA devices, else ``["cpu"]``). ``supervisor`` configures the
     supervisors of the node's child actors (``strategy`` is the default for spawned
     groups). The node pings the head every ``ping_interval_s`` and exits after
     ``ping_misses`` failed pings in a row; it gives up joining after
@@ -78,6 +81,7 @@ class NodeConfig:
     register_timeout_s: float = 30.0
     close_timeout_s: float = 5.0
     name: str = ""
+    curve: LinkCurve | None = None
 
     def __post_init__(self) -> None:
         host = self.advertise_host
@@ -89,9 +93,11 @@ class NodeConfig:
         if not self.allow_public_bind and not is_loopback_endpoint(host_endpoint(host)):
             raise ValueError(
                 f"NodeConfig.advertise_host {host!r} is not a loopback address: pass "
-                "allow_public_bind=True (--allow-public-bind) to serve other hosts; the links "
-                "are not encrypted (no CURVE between runtime nodes yet), so use a trusted network"
+                "allow_public_bind=True (--allow-public-bind) to serve other hosts, and a LinkCurve "
+                "(curve=) to encrypt and authenticate the links, or a trusted network"
             )
+        if self.curve is not None and not isinstance(self.curve, LinkCurve):
+            raise ValueError(f"NodeConfig.curve must be a LinkCurve or None, got {type(self.curve).__name__}")
         if self.devices is not None:
             if not isinstance(self.devices, tuple) or not self.devices or not all(
                 isinstance(d, str) and (d == "cpu" or d.startswith("cuda:")) for d in self.devices

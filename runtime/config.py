@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from treeserve.runtime.curve import LinkCurve
 from treeserve.transport.wire import DEFAULT_LIMITS, WireLimits
 
 __all__ = ["ChildTransport", "RestartStrategy", "RuntimeConfig", "SupervisorConfig"]
@@ -80,7 +81,9 @@ class RuntimeConfig:
     ``close_timeout_s`` bounds ``Runtime.aclose``. ``child_transport`` is the endpoint
     kind of child processes, ``supervisor`` the config of the default supervisor.
     ``parent_endpoint``/``node_name`` are set only inside a child process: the node
-    then sends heartbeats every ``heartbeat_interval_s`` to its parent.
+    then sends heartbeats every ``heartbeat_interval_s`` to its parent. ``curve``
+    secures every link of this node (its ROUTER admits only allow-listed CURVE keys, its
+    calls are CURVE clients) and is passed on to its child processes; None: plaintext.
     """
 
     bind: str | None = None
@@ -96,8 +99,11 @@ class RuntimeConfig:
     node_name: str = ""
     heartbeat_interval_s: float = 0.5
     allow_public_bind: bool = False
+    curve: LinkCurve | None = None
 
     def __post_init__(self) -> None:
+        if self.curve is not None and not isinstance(self.curve, LinkCurve):
+            raise ValueError(f"RuntimeConfig.curve must be a LinkCurve or None, got {type(self.curve).__name__}")
         if self.bind is not None and not self.bind.startswith(("inproc://", "ipc://", "tcp://")):
             raise ValueError(
                 f"RuntimeConfig.bind must start with inproc://, ipc:// or tcp://, got {self.bind!r}"

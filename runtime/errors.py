@@ -16,6 +16,7 @@ __all__ = [
     "ActorDeadError",
     "ActorError",
     "CallCancelled",
+    "ConnectionLost",
     "DeadlineExceeded",
     "NoSuchActor",
     "NoSuchMethod",
@@ -53,6 +54,12 @@ class ActorDeadError(ActorError):
     """The target actor (or its whole process) died or was stopped before answering."""
 
     default_code = ErrorCode.ACTOR_DEAD
+
+
+class ConnectionLost(ActorDeadError):
+    """Raised on the caller's side: the connection to the callee's node dropped after it
+    was established, or the node said nothing for longer than its liveness timeout. The
+    answer can no longer arrive (a ROUTER drops replies to a vanished connection)."""
 
 
 class DeadlineExceeded(ActorError, TimeoutError):

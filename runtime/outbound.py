@@ -1,9 +1,11 @@
-"""``Outbound``: the calls one node makes to actors on other nodes."""
+"""``Outbound``: the calls one process makes to actors on other nodes (a node's remote
+calls, and the Python client's calls to the gateway)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeAlias
@@ -15,8 +17,8 @@ from zmq.utils.monitor import parse_monitor_message
 from treeserve.runtime.bodies import body_to_wire
 from treeserve.runtime.calls import PendingAsk, StreamCall
 from treeserve.runtime.errors import (
-    ActorDeadError,
     ActorError,
+    ConnectionLost,
     DeadlineExceeded,
     OverloadedError,
     RemoteError,
@@ -36,23 +38,34 @@ from treeserve.transport.messages import (
     StreamEnd,
     StreamItem,
 )
-from treeserve.transport.sockets import make_dealer
+from treeserve.transport.sockets import CurveClientConfig, make_dealer
 from treeserve.transport.wire import ErrorCode, WireLimits
 
 __all__ = ["Outbound"]
 
+_log = logging.getLogger(__name__)
+
 _Pending: TypeAlias = PendingAsk | StreamCall
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
 
 
 class _Connection:
-    """Our DEALER to one node plus a monitor of its disconnections."""
+    """Our DEALER to one node plus a monitor of its handshakes and disconnections.
+    ``is_refused`` is True from a failed handshake to the next successful one: the
+    disconnect that follows a refusal is no lost connection (nothing was ever delivered)."""
 
-    __slots__ = ("monitor", "pump", "socket")
+    __slots__ = ("is_refused", "monitor", "pump", "socket")
 
     def __init__(self, socket: zmq.asyncio.Socket, pump: SocketPump, monitor: SocketPump) -> None:
         self.socket = socket
         self.pump = pump
         self.monitor = monitor
+        self.is_refused = False
 
     def close(self) -> None:
         self.monitor.close()
@@ -61,7 +74,7 @@ class _Connection:
 
 
 class Outbound:
-    """Remote calls of one node: one DEALER per remote node (created on first use),
+    """Remote calls of one process: one DEALER per remote node (created on first use),
     all calls multiplexed on it by request id. Ids come from one counter and are never
     reused, so a late or duplicate answer finds no waiter and is discarded (counted in
     ``stats.num_late_replies``), never delivered to another call.
@@ -70,8 +83,17 @@ class Outbound:
     ``mark_down`` fails every call to a dead node at once and drops the connection,
     so requests queued for the dead process never reach its restarted successor. A
     lost connection (the peer process died, or dropped us) fails the calls waiting on
-    it with ``ActorDeadError`` too, even for nodes nobody supervises: their answers
-    can no longer arrive, since a ROUTER drops replies to a vanished connection.
+    it with ``ConnectionLost`` too, even for nodes nobody supervises: their answers can
+    no longer arrive, since a ROUTER drops replies to a vanished connection. A refused
+    handshake (a CURVE peer that does not admit our key, a wrong server key, or a
+    plaintext/CURVE mismatch) is no lost connection: nothing gets through, as the
+    protocol says, so its calls run to their deadline (whose error says why), and a
+    connection libzmq gave up on is made afresh by the next call.
+
+    Answers are decoded under ``limits``; requests are encoded under ``send_limits``
+    (default ``limits``; the client checks the gateway's smaller limits before sending).
+    ``curve`` makes every DEALER a CURVE client. ``last_heard`` (any message, heartbeats
+    included) lets a liveness watch judge a silent peer (``runtime/silence_watch.py``).
     """
 
     def __init__(
@@ -82,15 +104,21 @@ class Outbound:
         limits: WireLimits,
         max_in_flight: int,
         stream_buffer: int,
+        send_limits: WireLimits | None = None,
+        curve: CurveClientConfig | None = None,
     ) -> None:
         self._ctx = ctx
         self._stats = stats
         self._limits = limits
+        self._send_limits = limits if send_limits is None else send_limits
+        self._curve = curve
         self._max_in_flight = max_in_flight
         self._stream_buffer = stream_buffer
         self._connections: dict[str, _Connection] = {}
         self._pending: dict[int, _Pending] = {}
         self._down: dict[str, ActorError] = {}
+        self._refused: dict[str, str] = {}  # endpoint -> why its last handshake failed
+        self._heard: dict[str, float] = {}  # endpoint -> loop time of its last message
         self._ids = itertools.count(1)
         self._is_closed = False
 
@@ -115,16 +143,33 @@ class Outbound:
         """Declare node ``endpoint`` dead: fail its calls with (copies of) ``exc`` now,
         drop the connection, and refuse new calls to it until ``mark_up``."""
         self._down[endpoint] = exc
-        self._fail_calls_to(endpoint, exc)
+        self.fail_calls_to(endpoint, exc)
         conn = self._connections.pop(endpoint, None)
         if conn is not None:
             conn.close()
 
-    def _fail_calls_to(self, endpoint: str, exc: ActorError) -> None:
+    def fail_calls_to(self, endpoint: str, exc: ActorError) -> None:
+        """Fail every call waiting on ``endpoint`` with (a copy of) ``exc``; the
+        connection stays, so later calls may still succeed."""
         for msg_id, call in list(self._pending.items()):
             if call.endpoint == endpoint:
                 del self._pending[msg_id]
                 call.fail(type(exc)(exc.message, code=exc.code, retryable=exc.retryable))
+
+    def has_calls_to(self, endpoint: str) -> bool:
+        """True while some call waits on ``endpoint``."""
+        return any(call.endpoint == endpoint for call in self._pending.values())
+
+    def last_heard(self, endpoint: str) -> float | None:
+        """``loop.time()`` of the last message received from ``endpoint`` (None: never)."""
+        return self._heard.get(endpoint)
+
+    def connect(self, endpoint: str) -> None:
+        """Open the connection to ``endpoint`` now (ZeroMQ connects in the background)
+        instead of on the first call."""
+        self._check_open()
+        if endpoint not in self._connections:
+            self._connect(endpoint)
 
     def mark_up(self, endpoint: str) -> None:
         """Allow calls to ``endpoint`` again (after a restart)."""
@@ -192,9 +237,12 @@ class Outbound:
 
         return call, cancel
 
-    def _check_can_call(self, endpoint: str) -> None:
+    def _check_open(self) -> None:
         if self._is_closed:
             raise RuntimeClosedError("runtime closed")
+
+    def _check_can_call(self, endpoint: str) -> None:
+        self._check_open()
         down = self._down.get(endpoint)
         if down is not None:
             raise type(down)(down.message, code=down.code, retryable=down.retryable)
@@ -215,12 +263,14 @@ class Outbound:
         # The callee gets the remaining budget, not an absolute time: clocks may differ.
         timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
         request = Request(msg_id, address.name, method, body_to_wire(body), timeout_ms, is_stream)
-        return encode(request, self._limits)
+        return encode(request, self._send_limits)
 
     def _expire(self, msg_id: int, address: ActorAddress, method: str) -> None:
         call = self._pending.pop(msg_id, None)
         if call is not None:
-            call.fail(DeadlineExceeded(f"{address.name}.{method}: no answer before the deadline"))
+            refused = self._refused.get(address.endpoint)
+            why = "" if refused is None else f" ({refused})"
+            call.fail(DeadlineExceeded(f"{address.name}.{method}: no answer before the deadline{why}"))
             self._send_cancel(address.endpoint, msg_id)
 
     def _send_cancel(self, endpoint: str, msg_id: int) -> None:
@@ -237,25 +287,48 @@ class Outbound:
         return True
 
     def _connect(self, endpoint: str) -> _Connection:
-        sock = make_dealer(self._ctx, endpoint, limits=self._limits)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock = make_dealer(self._ctx, endpoint, limits=self._limits, curve=self._curve)
+        monitor = sock.get_monitor_socket(_MONITORED)
         conn = _Connection(
             sock,
-            SocketPump(sock, self._on_frames, f"dealer {endpoint}"),
+            SocketPump(sock, partial(self._on_frames, endpoint), f"dealer {endpoint}"),
             SocketPump(monitor, partial(self._on_monitor_event, endpoint), f"monitor {endpoint}"),
         )
         self._connections[endpoint] = conn
         return conn
 
     def _on_monitor_event(self, endpoint: str, frames: list[zmq.Frame]) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])
-        if event["event"] == zmq.EVENT_DISCONNECTED:
+        conn = self._connections.get(endpoint)
+        event = int(parse_monitor_message([f.bytes for f in frames])["event"])
+        if conn is None:
+            return
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            conn.is_refused = False
+            self._refused.pop(endpoint, None)
+        elif event & _HANDSHAKE_FAILED:
+            conn.is_refused = True
+            why = (f"{endpoint} refused the handshake: a CURVE key not on its allow-list, a wrong "
+                   "server key, or CURVE on one side only")
+            if endpoint not in self._refused:
+                _log.warning("%s", why)
+            self._refused[endpoint] = why
+            if event & _HANDSHAKE_REFUSED:
+                # libzmq never reconnects after these: start afresh on the next call (after
+                # this callback: the monitor's own pump closes with the connection).
+                asyncio.get_running_loop().call_soon(self._drop_connection, endpoint, conn)
+        elif event == zmq.EVENT_DISCONNECTED and not conn.is_refused:
             self._stats.num_disconnects += 1
-            self._fail_calls_to(endpoint, ActorDeadError(f"connection to {endpoint} lost"))
+            self.fail_calls_to(endpoint, ConnectionLost(f"connection to {endpoint} lost"))
+
+    def _drop_connection(self, endpoint: str, conn: _Connection) -> None:
+        if self._connections.get(endpoint) is conn:
+            del self._connections[endpoint]
+            conn.close()
 
     # ------------------------------------------------------------------ answers
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+    def _on_frames(self, endpoint: str, frames: list[zmq.Frame]) -> None:
+        self._heard[endpoint] = asyncio.get_running_loop().time()
         try:
             msg = decode(frames, self._limits)
         except DecodeError as exc:
@@ -267,7 +340,10 @@ class Outbound:
         self._on_answer(msg)
 
     def _on_answer(self, msg: Message) -> None:
-        if isinstance(msg, Request | Cancel | Heartbeat):
+        if isinstance(msg, Heartbeat):  # heartbeats may go either way; a sign of life
+            self._stats.num_heartbeats += 1
+            return
+        if isinstance(msg, Request | Cancel):
             self._stats.num_dropped += 1
             return
         msg_id = msg.id
@@ -291,7 +367,10 @@ class Outbound:
                 call.push(msg)
             return
         del self._pending[msg_id]
-        if isinstance(msg, StreamEnd):
+        if isinstance(msg, StreamEnd) and msg.seq != call.expected_seq:
+            call.fail(RemoteError(
+                f"stream ended after {msg.seq} items, {call.expected_seq} received", code=ErrorCode.BAD_MESSAGE))
+        elif isinstance(msg, StreamEnd):
             call.push(msg)
         elif isinstance(msg, Error):
             call.fail(error_from_wire(msg))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
+from treeserve.runtime.curve import LinkCurve
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Request
 
@@ -49,7 +50,8 @@ class ChildLaunch:
     heartbeat interval. ``args`` holds the constructor arguments as one encoded wire
     frame (see ``encode_args``), so refs can be passed to a child actor.
     ``use_pdeathsig=False`` leaves only the death pipe (tests). ``allow_public_bind``
-    lets the child bind a non-loopback ``bind`` address (nodes of a cluster)."""
+    lets the child bind a non-loopback ``bind`` address (nodes of a cluster); ``curve``
+    is its parent's ``LinkCurve`` (the child's links are secured as its parent's are)."""
 
     actor: str
     name: str
@@ -61,6 +63,7 @@ class ChildLaunch:
     args: bytes = b""
     use_pdeathsig: bool = True
     allow_public_bind: bool = False
+    curve: LinkCurve | None = None
 
     def __post_init__(self) -> None:
         module, sep, qualname = self.actor.partition(":")
@@ -82,6 +85,7 @@ class ChildLaunch:
                     "heartbeat_interval_s": self.heartbeat_interval_s,
                     "use_pdeathsig": self.use_pdeathsig,
                     "allow_public_bind": self.allow_public_bind,
+                    "curve": None if self.curve is None else self.curve.to_map(),
                 },
                 use_bin_type=True,
             )
@@ -126,7 +130,8 @@ def read_launch(stream: BinaryIO) -> ChildLaunch:
     raw = msgpack.unpackb(stream.read(size), raw=False)
     if not isinstance(raw, dict):
         raise ValueError("launch spec is not a map")
-    return ChildLaunch(**raw)
+    curve = raw.pop("curve", None)
+    return ChildLaunch(**raw, curve=None if curve is None else LinkCurve.from_map(curve))
 
 
 def set_parent_death_signal() -> bool:

@@ -9,6 +9,7 @@ succeed at once or report failure (peer queue full, peer gone).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,13 +17,23 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-__all__ = ["SocketPump"]
+__all__ = ["SendOutcome", "SocketPump"]
 
 _log = logging.getLogger(__name__)
 _MAX_BATCH = 256  # messages handled per reader callback before yielding to the loop
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_SEND_RETRY_S = 0.001
+
+
+class SendOutcome(enum.Enum):
+    """What became of one non-blocking send: a ROUTER must tell a peer whose queue is full
+    (retry later) from one that is gone (stop sending to it)."""
+
+    SENT = "sent"
+    FULL = "full"  # the peer's queue is at its high-water mark
+    GONE = "gone"  # the peer is not connected (ROUTER_MANDATORY), or the socket closed
 
 
 class SocketPump:
@@ -82,38 +93,42 @@ class SocketPump:
                 _log.exception("%s: failed to handle a message", self._name)
         self._schedule_drain()  # more may be waiting: let other callbacks run first
 
-    def send_nowait(self, frames: list[Any]) -> bool:
-        """Send one message now; False when zmq refuses (queue full, peer gone)."""
+    def try_send(self, frames: list[Any]) -> SendOutcome:
+        """Send one message now, or say why zmq refused it."""
         if self._is_closed:
-            return False
-        sock = self._sock
+            return SendOutcome.GONE
         try:
-            sock.send_multipart(frames, _NOBLOCK, copy=False)
-        except zmq.ZMQError:  # Again (HWM reached) or EHOSTUNREACH (ROUTER_MANDATORY)
-            ok = False
+            self._sock.send_multipart(frames, _NOBLOCK, copy=False)
+        except zmq.Again:  # high-water mark reached
+            outcome = SendOutcome.FULL
+        except zmq.ZMQError:  # EHOSTUNREACH under ROUTER_MANDATORY
+            outcome = SendOutcome.GONE
         else:
-            ok = True
+            outcome = SendOutcome.SENT
         # Sending may have consumed the edge announcing new input.
         if self._is_readable():
             self._schedule_drain()
-        return ok
+        return outcome
 
-    async def send(self, frames: list[Any]) -> bool:
-        """Send, waiting (polling every millisecond) while the peer's queue is full;
-        False when the socket closed or the peer is unreachable."""
-        while not self._is_closed:
-            try:
-                self._sock.send_multipart(frames, _NOBLOCK, copy=False)
-            except zmq.Again:
-                await asyncio.sleep(0.001)
-                continue
-            except zmq.ZMQError:
+    def send_nowait(self, frames: list[Any]) -> bool:
+        """Send one message now; False when zmq refuses (queue full, peer gone)."""
+        return self.try_send(frames) is SendOutcome.SENT
+
+    async def send(
+        self, frames: list[Any], *, give_up_s: float | None = None, retry_s: float = _SEND_RETRY_S
+    ) -> bool:
+        """Send, waiting (polling every ``retry_s``) while the peer's queue is full; False
+        when the socket closed, the peer is unreachable, or its queue stayed full for
+        ``give_up_s`` (None: wait as long as it takes)."""
+        loop = self._loop
+        give_up_at = None if give_up_s is None else loop.time() + give_up_s
+        while True:
+            outcome = self.try_send(frames)
+            if outcome is SendOutcome.SENT:
+                return True
+            if outcome is SendOutcome.GONE or (give_up_at is not None and loop.time() >= give_up_at):
                 return False
-            finally:
-                if not self._is_closed and self._is_readable():
-                    self._schedule_drain()
-            return True
-        return False
+            await asyncio.sleep(retry_s)
 
     def close(self) -> None:
         """Stop reading and close the socket (no linger). Idempotent."""

@@ -115,6 +115,7 @@ class Runtime:
                 stream_buffer=cfg.stream_buffer,
                 default_timeout_s=cfg.default_timeout_s,
                 allow_public_bind=cfg.allow_public_bind,
+                curve=cfg.curve,
             )
             self._node = node
             await node.start()

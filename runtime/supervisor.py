@@ -210,6 +210,7 @@ class Supervisor:
             args=encode_args(list(spec.args)),
             use_pdeathsig=spec.use_pdeathsig,
             allow_public_bind=self._runtime.config.allow_public_bind,
+            curve=self._runtime.config.curve,
         ))
         try:
             async with asyncio.timeout(self.config.start_timeout_s):

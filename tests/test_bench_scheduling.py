@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,3 +142,53 @@ def test_the_max_tokens_ablation_ignores_predictions() -> None:
     assert ablation == sched.simulate(jobs, "fcfs", UNIT, num_rows=1)
     # ...while with the predictions it runs the shorter job first.
     assert ablation != sched.simulate(jobs, "ssjf", UNIT, num_rows=1)
+
+
+# The SJF oracle moved here from treeserve.actors.policy (it reads true lengths, which no server
+# knows); these were its tests there.
+def _req(rid: str, arrival: float, predicted: float | None = None, true_len: int | None = None) -> Any:
+    return sched.QueuedRequest(rid, arrival, 8, 512, predicted, true_len)
+
+
+def _drain(policy: Any, now: float) -> list[str]:
+    out: list[str] = []
+    while (r := policy.pop_next(now)) is not None:
+        out.append(r.request_id)
+    return out
+
+
+def test_oracle_uses_true_len_and_ignores_prediction() -> None:
+    p = sched.SJFOraclePolicy()
+    p.add(_req("a", 0.0, predicted=1, true_len=500), 0.0)
+    p.add(_req("b", 1.0, predicted=900, true_len=3), 1.0)
+    p.add(_req("c", 2.0, predicted=50, true_len=40), 2.0)
+    assert _drain(p, now=5.0) == ["b", "c", "a"]
+    s = sched.SSJFPolicy(max_wait_s=math.inf)
+    for r in (_req("a", 0.0, 1, 500), _req("b", 1.0, 900, 3), _req("c", 2.0, 50, 40)):
+        s.add(r, 2.0)
+    assert _drain(s, now=5.0) == ["a", "c", "b"]  # SSJF follows the (wrong) prediction
+    with pytest.raises(ValueError, match="true_len"):
+        p.add(_req("no-truth", 0.0, predicted=3), 0.0)
+    assert isinstance(sched.make_simulated_policy("sjf-oracle", 30.0), sched.SJFOraclePolicy)
+
+
+def test_sjf_oracle_without_aging_starves_the_long_job() -> None:
+    # One long job amid short ones arriving 2.5 per served request (test_policy_aging's stream).
+    policy = sched.SJFOraclePolicy()
+    stream = sorted([*(_req(f"s{i}", round(0.4 * i, 6), 10.0, 10) for i in range(501)),
+                     _req("long", 0.1, 5000.0, 5000)], key=lambda r: r.arrival_s)
+    served, pending = [], iter(stream)
+    nxt = next(pending, None)
+    for step in range(200):
+        while nxt is not None and nxt.arrival_s <= step:
+            policy.add(nxt, float(step))
+            nxt = next(pending, None)
+        if (chosen := policy.pop_next(float(step))) is not None:
+            served.append(chosen.request_id)
+    assert "long" not in served and "long" in policy and len(served) == 200
+
+
+def test_the_oracle_runs_only_in_the_simulator() -> None:
+    with pytest.raises(SystemExit):
+        sched.main(["--policy", "sjf-oracle"])
+    assert "sjf-oracle" not in sched.POLICY_NAMES and set(sched.POLICY_NAMES) < set(sched.SIMULATED_POLICIES)

@@ -115,21 +115,21 @@ def test_greedy_check_catches_a_lossy_verifier(model: Any) -> None:
 
 def test_distilled_failures_skip_and_several_ssms_merge(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "treeserve.ops.ssm", None)  # import fails
-    available = bench.load_speculators(model)
+    available = bench.load_speculators(model, ssm_path="ssm.safetensors")
     assert "tree:distilled" in available.skipped and set(available.speculators) == {"ngram"}
     assert [m.name for m in bench.treeserve_modes(model, ["tree:distilled", "tree:ngram"], available)] == ["tree:ngram"]
 
-    def no_weights(_model: Any) -> list[Any]:
+    def no_weights(_model: Any, _path: Any) -> list[Any]:
         raise FileNotFoundError("no trained weights")
 
     monkeypatch.setitem(sys.modules, "treeserve.ops.ssm", types.SimpleNamespace(load_distilled_speculators=no_weights))
-    assert "no trained weights" in bench.load_speculators(model).skipped["tree:distilled"]
+    assert "no trained weights" in bench.load_speculators(model, ssm_path="ssm.safetensors").skipped["tree:distilled"]
 
     # Stand-ins for two SSMs: tree:distilled merges both, tree:merged adds the n-gram one, chain uses the first SSM.
     ssms = [NGramSpeculator(97, num_draft_tokens=4), NGramSpeculator(97, max_ngram=2, num_draft_tokens=3)]
     monkeypatch.setitem(sys.modules, "treeserve.ops.ssm",
-                        types.SimpleNamespace(load_distilled_speculators=lambda _model: ssms))
-    available = bench.load_speculators(model)
+                        types.SimpleNamespace(load_distilled_speculators=lambda _model, _path: ssms))
+    available = bench.load_speculators(model, ssm_path="ssm.safetensors")
     # (The shipped feature drafter is for the default model, so it is skipped on this tiny one.)
     assert "tree:distilled" not in available.skipped and available.speculators["distilled"] == ssms
     available.speculators.pop("feature", None)
@@ -184,3 +184,8 @@ def test_hf_generate_on_the_same_weights_matches_incremental(model: Any, tmp_pat
         assert results[(name, 0.0)]["greedy_matches_incremental"] == 1.0
         assert results[(name, 0.0)]["mean_accepted_per_step"] is None
         assert results[(name, 0.8)]["num_tokens"] > 0
+
+
+def test_distilled_modes_need_an_ssm_file(model: Any) -> None:
+    # None is shipped, so without --ssm the distilled modes are skipped with the reason.
+    assert "--ssm" in bench.load_speculators(model).skipped["tree:distilled"]

@@ -100,6 +100,19 @@ async def test_silent_gateway_fails_calls_with_connection_lost(router: tuple[str
         assert info.value.retryable
 
 
+async def test_a_dropped_gateway_connection_fails_calls_at_once(router: tuple[str, zmq.asyncio.Socket]) -> None:
+    endpoint, sock = router
+    # Far longer than the test may take: only the lost connection can end the call in time.
+    async with Client(endpoint, heartbeat_interval_s=10, server_timeout_s=60) as client:
+        task = asyncio.create_task(client.generate("x"))
+        await _recv(sock)
+        sock.close(linger=0)  # the gateway process is gone: its side of the connection closes
+        async with asyncio.timeout(10):
+            with pytest.raises(ConnectionLostError) as info:
+                await task
+        assert info.value.retryable and "lost" in info.value.message
+
+
 async def test_client_deadline_and_cancel_on_give_up(router: tuple[str, zmq.asyncio.Socket]) -> None:
     endpoint, sock = router
     async with Client(endpoint, timeout=0.2, heartbeat_interval_s=10) as client:

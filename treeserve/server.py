@@ -6,7 +6,8 @@ Placement: the verifier shards (one per tensor-parallel rank, supervised togethe
 actors (supervised ``one_for_one``) run in child processes that die with this one. The
 scheduler and the public gateway are light I/O actors and run in this process; the scheduler
 is supervised too (a ``LocalSupervisor`` restarts it when its step loop dies).
-``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`.
+``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`. The
+configuration is :class:`~treeserve.server_config.ServerConfig` (re-exported here).
 
 Giving up: past ``max_restarts`` within ``restart_window_s`` a supervisor stops restarting.
 The server does not then pretend to serve: ``Server.failures`` lists why, the gateway's
@@ -21,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from treeserve.ops.formats import FORMAT_NAMES
+from treeserve.actors.policy import PREDICTION_POLICIES
+from treeserve.actors.speculator_factory import SpeculatorKind
 from treeserve.runtime import (
     ActorRef,
     RestartStrategy,
@@ -35,118 +36,7 @@ from treeserve.runtime import (
     SupervisorConfig,
     SupervisorGaveUp,
 )
-
-DEFAULT_SPECULATORS: tuple[Mapping[str, Any], ...] = (
-    {"kind": "ngram", "max_ngram": 3, "num_draft_tokens": 8, "num_branches": 2},
-)
-"""Model-free n-gram drafting: nearly free to run. A self-drafter (``{"kind": "self", "layers": K,
-...}``, the verifier's first K layers) is available but agrees too rarely with the full model to
-pay for its forwards on this model; trained drafters are the way to better acceptance."""
-
-SCHEDULER_POLICIES = ("fcfs", "ssjf", "hrrn", "sjf-oracle")
-
-
-def default_speculators(model: str) -> tuple[Mapping[str, Any], ...]:
-    """The speculators a server runs unless told otherwise: the n-gram drafter, merged with the
-    shipped feature-level drafter when ``model`` is the default model it was trained for.
-
-    The feature drafter comes first: at a tree node, multi-step speculative sampling tries the
-    proposals in speculator order, and a rejected n-gram point mass tried first would leave
-    the better drafter's draws to be judged against the residual distribution (temperature
-    0.8, MT-Bench, bench/RESULTS.md: 1.07x incremental feature-first vs 0.97x n-gram-first;
-    greedy is unaffected). Small tree budgets go to the first speculator as well."""
-    from treeserve.models import DEFAULT_MODEL
-    from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, DEFAULT_FEATURE_WIDTHS
-
-    specs = [dict(s) for s in DEFAULT_SPECULATORS]
-    if model == DEFAULT_MODEL and DEFAULT_FEATURE_DRAFTER_FILE.is_file():
-        specs.insert(0, {"kind": "feature", "path": None, "expansion": list(DEFAULT_FEATURE_WIDTHS)})
-    return tuple(specs)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything an embedded server needs; validated on construction, no I/O.
-
-    ``model``: registry name, ``.gguf`` path or HF folder. ``bind``: the public gateway
-    endpoint (loopback by default; ``tcp://127.0.0.1:0`` picks a free port). ``tp``: tensor
-    parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
-    ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
-    ``speculators``: the speculator kinds every speculator actor runs (see
-    ``treeserve.actors.speculator``); empty disables speculation; None: :func:`default_speculators`. ``num_speculator_actors``:
-    one per device (on CPU: one per process). ``num_nodes``: other hosts that join with
-    ``treeserve node --join <cluster_bind>``; the server waits for them, then places
-    tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
-    gateway stay on this head). ``cluster_bind`` is the head runtime's endpoint for nodes.
-    ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
-    host's cores divided by the shards on it). Processes that share cores must not each use
-    them all: oversubscribed OpenMP threads spin against each other and run many times slower.
-    ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
-    proxy model predicts, run by a length-predictor actor (a child process with one thread):
-    ``predictor`` is a ``.npz`` from ``treeserve train-predictor`` (None: the shipped one, which
-    is used only for the model it was trained on; for other models these policies order by
-    ``max_tokens``); ``online_predictor`` refines it from completed requests. ``max_wait_s`` is
-    the aging bound: no request waits longer than about that behind later arrivals.
-    ``adaptive_speculation``: size each step's token trees (up to ``max_tree_nodes`` per row) from
-    the measured acceptance and step cost at the current batch size, down to plain decoding.
-    ``max_prefill_tokens``: prompt tokens per prefill call; requests admitted together share
-    calls and batched forwards up to it (a longer prompt goes alone).
-    """
-
-    model: str = "smollm2-135m-instruct"
-    cache_dir: str | None = None
-    bind: str = "tcp://127.0.0.1:5555"
-    dtype: str = "float32"
-    device: str = "cpu"
-    tp: int = 1
-    num_rows: int = 8
-    row_capacity: int = 2048
-    scheduler: str = "fcfs"
-    max_wait_s: float = 30.0
-    max_tree_nodes: int = 64
-    speculators: tuple[Mapping[str, Any], ...] | None = None
-    num_speculator_actors: int = 1
-    max_concurrent_streams: int = 256
-    max_restarts: int = 3
-    restart_window_s: float = 60.0
-    heartbeat_interval_s: float = 0.5
-    start_timeout_s: float = 300.0
-    step_timeout_s: float = 300.0
-    allow_public_bind: bool = False
-    verifier_threads: int | None = None
-    speculator_threads: int = 1
-    num_nodes: int = 0
-    cluster_bind: str = "tcp://127.0.0.1:5556"
-    node_wait_timeout_s: float = 300.0
-    predictor: str | None = None
-    online_predictor: bool = True
-    adaptive_speculation: bool = True
-    max_prefill_tokens: int = 8192
-
-    def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
-        """``speculators``, or the defaults for ``model`` when it is None."""
-        return default_speculators(self.model) if self.speculators is None else self.speculators
-
-    def __post_init__(self) -> None:
-        if self.dtype not in FORMAT_NAMES:
-            raise ValueError(f"dtype (the weight format) must be one of {', '.join(FORMAT_NAMES)}, got {self.dtype!r}")
-        if self.scheduler not in SCHEDULER_POLICIES:
-            raise ValueError(f"scheduler must be one of {SCHEDULER_POLICIES}, got {self.scheduler!r}")
-        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
-        if self.num_nodes < 0:
-            raise ValueError(f"num_nodes must be >= 0, got {self.num_nodes}")
-        if self.num_nodes and not self.cluster_bind.startswith("tcp://"):
-            raise ValueError(f"cluster_bind must be a tcp:// endpoint, got {self.cluster_bind!r}")
-        if self.num_speculator_actors < 0:
-            raise ValueError(f"num_speculator_actors must be >= 0, got {self.num_speculator_actors}")
-        if self.row_capacity <= self.max_tree_nodes:
-            raise ValueError(f"row_capacity ({self.row_capacity}) must exceed max_tree_nodes ({self.max_tree_nodes})")
-        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// endpoint, got {self.bind!r}")
-
+from treeserve.server_config import ServerConfig
 
 def _num_cores() -> int:
     """Cores this process may run on (its CPU affinity, not the machine's total)."""
@@ -320,14 +210,14 @@ class Server:
         )))
         self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
 
-        speculators = cfg.resolved_speculators()
+        speculators = cfg.speculator_specs()
         if speculators and cfg.num_speculator_actors:
             self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
             spec_sup = self.speculator_supervisor = rt.supervisor(
                 supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
             spec_config = {
                 "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
-                "speculators": [dict(s) for s in speculators], "capacity": cfg.row_capacity,
+                "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
                 "num_threads": cfg.speculator_threads,
             }
             if agents:
@@ -353,7 +243,7 @@ class Server:
             max_wait_s=cfg.max_wait_s,
             max_tree_nodes=cfg.max_tree_nodes,
             adaptive_speculation=cfg.adaptive_speculation,
-            use_states=bool(self.speculators) and any(s.get("kind") == "feature" for s in speculators),
+            use_states=bool(self.speculators) and any(s.kind is SpeculatorKind.FEATURE for s in speculators),
             step_timeout_s=cfg.step_timeout_s,
             max_prefill_tokens=cfg.max_prefill_tokens,
         )
@@ -379,7 +269,6 @@ class Server:
     async def _start_predictor(self, supervisor_config: SupervisorConfig) -> ActorRef | None:
         """Spawn the length predictor when the policy orders by predicted length (else None)."""
         from treeserve.actors.length_predictor import LengthPredictorActor
-        from treeserve.actors.scheduler import PREDICTION_POLICIES
         from treeserve.predictor import load_predictor
 
         cfg = self.config
@@ -428,3 +317,6 @@ class Server:
         self._closed = True
         if self._runtime is not None:
             await self._runtime.aclose()
+
+
+__all__ = ["Server", "ServerConfig", "prepare_model"]

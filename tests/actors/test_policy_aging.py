@@ -1,4 +1,4 @@
-"""SSJF's aging bound under an adversarial stream, and why aging and bypass protection matter.
+"""SSJF's aging bound under an adversarial stream, and why aging matters.
 
 The stream: one long job arrives, then short jobs keep arriving faster than the server
 can serve them. Shortest-first without aging serves the shorts forever; SSJF with
@@ -13,26 +13,20 @@ from dataclasses import dataclass
 
 import pytest
 
-from treeserve.actors.kv_budget import KVBudget
-from treeserve.actors.policy import (
-    QueuedRequest,
-    SchedulingPolicy,
-    SJFOraclePolicy,
-    SSJFPolicy,
-)
+from treeserve.actors.policy import QueuedRequest, SchedulingPolicy, SSJFPolicy
 
 DT = 1.0  # seconds between scheduler steps (the fake clock's tick)
 MAX_WAIT_S = 20.0
 
 
-def adversarial_stream(num_steps: int, long_prompt_len: int = 8) -> list[QueuedRequest]:
+def adversarial_stream(num_steps: int) -> list[QueuedRequest]:
     """A long job at t=0.1 amid short jobs every 0.4 s (2.5 arrivals per 1-request step)."""
     shorts = [
         QueuedRequest(f"s{i}", round(0.4 * i, 6), 3, 2, predicted_len=10.0, true_len=10)
         for i in range(int(num_steps / 0.4) + 1)
     ]
     long_job = QueuedRequest(
-        "long", 0.1, long_prompt_len, 2, predicted_len=5000.0, true_len=5000
+        "long", 0.1, 8, 2, predicted_len=5000.0, true_len=5000
     )
     return sorted([*shorts, long_job], key=lambda r: r.arrival_s)
 
@@ -76,11 +70,7 @@ def test_ssjf_aging_bounds_the_long_jobs_wait_under_an_endless_short_stream() ->
         assert wait <= MAX_WAIT_S + DT * (1 + out.num_ahead[rid]), rid
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [SSJFPolicy(max_wait_s=math.inf), SJFOraclePolicy()],
-    ids=["ssjf-without-aging", "sjf-oracle-without-aging"],
-)
+@pytest.mark.parametrize("policy", [SSJFPolicy(max_wait_s=math.inf)], ids=["ssjf-without-aging"])
 def test_shortest_first_without_aging_starves_the_long_job(policy: SchedulingPolicy) -> None:
     steps = 200
     out = run_one_per_step(policy, adversarial_stream(steps), steps)
@@ -89,52 +79,45 @@ def test_shortest_first_without_aging_starves_the_long_job(policy: SchedulingPol
 
 
 class _UnprotectedSSJF(SSJFPolicy):
-    """Deliberately wrong: lets promoted requests be bypassed when they don't fit."""
+    """Deliberately wrong: never promotes, so a waiting request is passed over by shorter ones."""
 
-    def _is_bypass_protected(self, request: QueuedRequest, now: float) -> bool:
+    def is_promoted(self, request: QueuedRequest, now: float) -> bool:
         return False
 
 
+NUM_ROWS = 2  # KV-cache rows: admission takes free rows, a request holds one until it ends
 SHORT_STEPS = 2  # steps a short job runs once admitted
 LONG_STEPS = 3
 
 
-def run_with_kv_budget(policy: SchedulingPolicy, stream: list[QueuedRequest], num_steps: int) -> Outcome:
-    """Fake-clock server whose admission is limited by a 10-block KV cache."""
-    budget = KVBudget(num_blocks=10, block_size=1)
+def run_with_rows(policy: SchedulingPolicy, stream: list[QueuedRequest], num_steps: int) -> Outcome:
+    """Fake-clock server with NUM_ROWS rows: each step frees the rows of finished requests,
+    adds the arrivals so far, then admits into the free rows."""
     running: dict[str, float] = {}  # request_id -> finish time
     waits: dict[str, float] = {}
     num_ahead: dict[str, int] = {}
     pending = iter(stream)
     nxt = next(pending, None)
-
-    def fits(r: QueuedRequest) -> bool:
-        return budget.try_reserve(
-            r.request_id, r.prompt_len, r.max_tokens, arrival_s=r.arrival_s,
-            predicted_len=r.predicted_len,
-        )
-
     for k in range(num_steps):
         now = k * DT
         for rid in [rid for rid, end in running.items() if end <= now]:
-            budget.free(rid)
             del running[rid]
         while nxt is not None and nxt.arrival_s <= now:
             num_ahead[nxt.request_id] = len(policy)
             policy.add(nxt, now)
             nxt = next(pending, None)
-        for r in policy.select(now, max_count=8, fits=fits):
+        for r in policy.select(now, max_count=NUM_ROWS - len(running)):
             waits[r.request_id] = now - r.arrival_s
             running[r.request_id] = now + DT * (LONG_STEPS if r.request_id == "long" else SHORT_STEPS)
-        assert budget.num_used_blocks == sum(budget.reservation(rid).num_blocks for rid in running)
+        assert len(running) <= NUM_ROWS
     return Outcome(waits, num_ahead, len(policy))
 
 
-def test_promoted_request_that_does_not_fit_is_not_bypassed() -> None:
+def test_a_promoted_request_gets_a_row_within_the_bound_while_rows_are_contended() -> None:
     steps = 200
-    stream = adversarial_stream(steps, long_prompt_len=8)  # needs 8 of 10 blocks; shorts need 3
-    out = run_with_kv_budget(SSJFPolicy(max_wait_s=MAX_WAIT_S), stream, steps)
-    assert out.num_left > 50  # overload: memory is always contended
+    stream = adversarial_stream(steps)
+    out = run_with_rows(SSJFPolicy(max_wait_s=MAX_WAIT_S), stream, steps)
+    assert out.num_left > 50  # overload: the rows are always contended
     assert "long" in out.waits
     # General bound: max_wait_s + dt + (1 + A) * (D + dt), D = longest running time.
     d = DT * LONG_STEPS
@@ -142,8 +125,8 @@ def test_promoted_request_that_does_not_fit_is_not_bypassed() -> None:
         assert wait <= MAX_WAIT_S + DT + (1 + out.num_ahead[rid]) * (d + DT), rid
 
 
-def test_bypassing_promoted_requests_starves_a_large_one() -> None:
+def test_without_promotion_short_requests_starve_a_long_one_of_rows() -> None:
     steps = 200
-    stream = adversarial_stream(steps, long_prompt_len=8)
-    out = run_with_kv_budget(_UnprotectedSSJF(max_wait_s=MAX_WAIT_S), stream, steps)
-    assert "long" not in out.waits  # small requests always take the room it waits for
+    stream = adversarial_stream(steps)
+    out = run_with_rows(_UnprotectedSSJF(max_wait_s=MAX_WAIT_S), stream, steps)
+    assert "long" not in out.waits  # small requests always take the rows it waits for

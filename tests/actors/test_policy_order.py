@@ -1,4 +1,5 @@
-"""Ordering, removal, selection and factory behaviour of the scheduling policies."""
+"""Ordering, removal, selection and factory behaviour of the scheduling policies (the SJF oracle's
+are in tests/test_bench_scheduling.py, with the oracle)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from treeserve.actors.policy import (
     HRRNPolicy,
     QueuedRequest,
     SchedulingPolicy,
-    SJFOraclePolicy,
     SSJFPolicy,
     make_policy,
     response_ratio,
@@ -76,20 +76,6 @@ def test_ssjf_promotes_after_max_wait_in_arrival_order() -> None:
     for r in (req("s", 15.0, predicted=1), req("l2", 1.0, predicted=99), req("l1", 0.0, predicted=500)):
         q.add(r, 15.0)
     assert drain(q, now=20.0) == ["l1", "l2", "s"]
-
-
-def test_oracle_uses_true_len_and_ignores_prediction() -> None:
-    p = SJFOraclePolicy()
-    p.add(req("a", 0.0, predicted=1, true_len=500), 0.0)
-    p.add(req("b", 1.0, predicted=900, true_len=3), 1.0)
-    p.add(req("c", 2.0, predicted=50, true_len=40), 2.0)
-    assert drain(p, now=5.0) == ["b", "c", "a"]
-    s = SSJFPolicy(max_wait_s=math.inf)
-    for r in (req("a", 0.0, 1, 500), req("b", 1.0, 900, 3), req("c", 2.0, 50, 40)):
-        s.add(r, 2.0)
-    assert drain(s, now=5.0) == ["a", "c", "b"]  # SSJF follows the (wrong) prediction
-    with pytest.raises(ValueError, match="true_len"):
-        p.add(req("no-truth", 0.0, predicted=3), 0.0)
 
 
 def test_response_ratio_matches_hand_computation() -> None:
@@ -178,74 +164,24 @@ def test_many_removals_keep_heaps_compact_and_order_correct() -> None:
     assert got == expected
 
 
-def test_select_skips_unfit_and_keeps_their_priority() -> None:
-    p = SSJFPolicy(max_wait_s=100.0)
-    p.add(req("big", 0.0, predicted=1, prompt_len=90), 0.0)
-    p.add(req("s1", 0.0, predicted=2, prompt_len=10), 0.0)
-    p.add(req("s2", 0.0, predicted=3, prompt_len=10), 0.0)
-    free = [25]
-
-    def fits(r: QueuedRequest) -> bool:
-        if r.prompt_len > free[0]:
-            return False
-        free[0] -= r.prompt_len
-        return True
-
-    chosen = p.select(1.0, max_count=8, fits=fits)
-    assert [r.request_id for r in chosen] == ["s1", "s2"] and "big" in p
-    free[0] = 100
-    assert [r.request_id for r in p.select(2.0, 8, fits)] == ["big"]
-
-
-def test_fcfs_select_is_strict_head_of_line() -> None:
-    p = FCFSPolicy()
-    p.add(req("big", 0.0, prompt_len=90), 0.0)
-    p.add(req("small", 1.0, prompt_len=1), 1.0)
-    assert p.select(2.0, 8, fits=lambda r: r.prompt_len < 50) == []
-    assert len(p) == 2
-
-
-def test_select_respects_max_count_and_max_skips() -> None:
+def test_select_respects_max_count_and_keeps_the_rest_in_order() -> None:
     p = SSJFPolicy(max_wait_s=math.inf)
-    for i in range(10):
-        p.add(req(f"u{i}", 0.0, predicted=float(i), prompt_len=100), 0.0)
-    p.add(req("ok1", 0.0, predicted=50.0, prompt_len=1), 0.0)
-    p.add(req("ok2", 0.0, predicted=51.0, prompt_len=1), 0.0)
-    calls: list[str] = []
-
-    def fits(r: QueuedRequest) -> bool:
-        calls.append(r.request_id)
-        return r.prompt_len == 1
-
-    assert p.select(0.0, 8, fits, max_skips=3) == []
-    assert calls == ["u0", "u1", "u2", "u3"]  # stops at the (max_skips + 1)-th unfit one
-    got = p.select(0.0, 1, fits, max_skips=10)
-    assert [r.request_id for r in got] == ["ok1"]
-    assert len(p) == 11
-
-
-def test_select_puts_everything_back_when_fits_raises() -> None:
-    p = SSJFPolicy(max_wait_s=math.inf)
-    for i in range(4):
-        p.add(req(f"r{i}", 0.0, predicted=float(i)), 0.0)
-
-    def fits(r: QueuedRequest) -> bool:
-        if r.request_id == "r2":
-            raise RuntimeError("boom")
-        return r.request_id != "r1"
-
-    with pytest.raises(RuntimeError):
-        p.select(0.0, 8, fits)
-    assert len(p) == 4 and drain(p, 0.0) == ["r0", "r1", "r2", "r3"]
+    for i in range(5):
+        p.add(req(f"r{i}", 0.0, predicted=float(5 - i)), 0.0)
+    assert p.select(0.0, 0) == [] and len(p) == 5
+    assert [r.request_id for r in p.select(0.0, 2)] == ["r4", "r3"]
+    assert [r.request_id for r in p.select(0.0, 8)] == ["r2", "r1", "r0"]
+    assert p.select(0.0, 8) == [] and len(p) == 0
+    with pytest.raises(ValueError, match="max_count"):
+        p.select(0.0, -1)
 
 
 def test_make_policy_validates_names_and_options() -> None:
     assert isinstance(make_policy("fcfs"), FCFSPolicy)
     ssjf = make_policy("ssjf", max_wait_s=12.5)
     assert isinstance(ssjf, SSJFPolicy) and ssjf.max_wait_s == 12.5
-    assert isinstance(make_policy("sjf-oracle"), SJFOraclePolicy)
     assert isinstance(make_policy("hrrn", max_wait_s=3.0), HRRNPolicy)
-    with pytest.raises(ValueError, match="valid names: fcfs, ssjf, sjf-oracle, hrrn"):
+    with pytest.raises(ValueError, match="valid names: fcfs, ssjf, hrrn"):
         make_policy("lifo")
     with pytest.raises(ValueError, match="needs max_wait_s"):
         make_policy("ssjf")
@@ -268,17 +204,12 @@ def test_queued_request_validation() -> None:
         QueuedRequest("", 0.0, 1, 1)
 
 
-def test_hrrn_bypass_protection_is_opt_in_by_max_wait() -> None:
+def test_hrrn_promotes_after_max_wait_in_arrival_order() -> None:
     def queue(policy: HRRNPolicy) -> HRRNPolicy:
-        policy.add(req("big", 0.0, predicted=1, prompt_len=90), 0.0)
-        policy.add(req("small", 9.0, predicted=1, prompt_len=1), 9.0)
+        policy.add(req("long", 0.0, predicted=1000), 0.0)  # ratio at t=10: 1010 / 1000 = 1.01
+        policy.add(req("short", 9.0, predicted=1), 9.0)  # ratio at t=10: 2 / 1 = 2.0
         return policy
 
-    def fits(r: QueuedRequest) -> bool:
-        return r.prompt_len < 50
-
-    protected = queue(HRRNPolicy(max_wait_s=5.0))
-    assert protected.select(10.0, 8, fits) == []  # "big" waited 10 s >= 5 s: not bypassed
-    unprotected = queue(HRRNPolicy())
-    assert [r.request_id for r in unprotected.select(10.0, 8, fits)] == ["small"]
-    assert "big" in unprotected
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=10.0) == ["long", "short"]  # "long" waited 10 s
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=9.5) == ["short", "long"]  # not yet
+    assert drain(queue(HRRNPolicy()), now=10.0) == ["short", "long"]  # no aging: the ratio alone

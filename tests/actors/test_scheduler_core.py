@@ -28,8 +28,8 @@ from treeserve.actors.scheduler_types import (
     StepReplies,
     TokensOut,
 )
+from treeserve.actors.messages import MalformedReply, RowVerdict
 from treeserve.actors.tree_wire import tree_to_wire
-from treeserve.actors.verifier_group import MalformedReply, RowVerdict
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorDeadError, ActorError, RemoteError

@@ -34,3 +34,55 @@ def test_generate_json_and_stop(tmp_path: Path, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as exited:
         main(["generate", "hi", "--model", str(folder), "--in-process", "--stop", "x"])
     assert exited.value.code == 2 and "--stop needs the server path" in capsys.readouterr().err
+
+
+def test_in_process_generate_runs_the_server_paths_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny.write_tiny_hf_model(tmp_path / "tiny", max_seq_len=4096)
+    settings_file = folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text(encoding="utf-8"))
+    # A template that writes its own BOS, for a tokenizer that adds one: a path that renders the
+    # template and then encodes it with the tokenizer's BOS would show a second one.
+    settings.update(add_bos_token=True, chat_template="<bos>{% for m in messages %} w5 {{ m['content'] }}{% endfor %}"
+                                                      "{% if add_generation_prompt %} w6{% endif %}")
+    settings_file.write_text(json.dumps(settings), encoding="utf-8")
+
+    def generate(*flags: str) -> dict:
+        with pytest.raises(SystemExit) as exited:
+            main(["generate", "w7 w9 w11", "--model", str(folder), "--format", "float32", "--max-tokens", "16",
+                  "--json", *flags])
+        assert exited.value.code == 0
+        return json.loads(capsys.readouterr().out)
+
+    for speculate in ("tree", "none"):
+        served = generate("--speculate", speculate)
+        local = generate("--speculate", speculate, "--in-process")
+        assert local["num_prompt_tokens"] == served["num_prompt_tokens"] == 6  # <bos> w5 w7 w9 w11 w6: one BOS
+        assert local["token_ids"] == served["token_ids"] and local["finish_reason"] == served["finish_reason"]
+        assert local["text"] == served["text"]
+    assert local["mean_accepted_per_step"] == served["mean_accepted_per_step"] == 1.0  # none: one token per step
+
+
+def test_serve_refuses_the_oracle_policy_and_a_distilled_speculator_without_its_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--scheduler", "sjf-oracle"])  # needs true lengths: a benchmark's bound only
+    assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--speculator", "distilled"])
+    assert exited.value.code == 2 and "distilled:PATH" in capsys.readouterr().err
+
+
+def test_serve_flag_defaults_are_the_server_configs() -> None:
+    from treeserve.actors.scheduler import SchedulerConfig
+    from treeserve.cli import build_parser
+    from treeserve.server import ServerConfig
+
+    args, config = build_parser().parse_args(["serve"]), ServerConfig()
+    assert args.num_rows == config.num_rows == SchedulerConfig().num_rows
+    assert (args.row_capacity, args.max_prefill_tokens, args.max_wait_s, args.scheduler, args.bind, args.tp) == (
+        config.row_capacity, config.max_prefill_tokens, config.max_wait_s, config.scheduler, config.bind, config.tp)
+    with pytest.raises(ValueError, match="scheduler"):
+        ServerConfig(scheduler="sjf-oracle")
+    with pytest.raises(ValueError, match="needs 'path'"):
+        ServerConfig(speculators=({"kind": "distilled", "expansion": [2]},))

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from treeserve.actors.messages import MalformedReply, PrefillRow, RowVerdict, StepRow
 from treeserve.actors.verifier import VerifierShard
-from treeserve.actors.verifier_group import MalformedReply, PrefillRow, RowVerdict, StepRow, VerifierGroup
+from treeserve.actors.verifier_group import VerifierGroup
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental
 from treeserve.ops.token_tree import TokenTree

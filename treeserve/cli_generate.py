@@ -1,0 +1,226 @@
+"""``treeserve generate``: one completion of PROMPT, through an embedded server (every actor) or,
+with ``--in-process``, on a model in this process (debugging, measuring the actors' cost).
+
+The two are one path with the model run in two places. Both build the same ``generate`` body
+(:func:`generate_body`) and the same speculators in the same order (:func:`generate_speculators`,
+from :mod:`treeserve.actors.speculator_factory`). In-process, the body then goes through what
+the server runs on it, in the server's order: the gateway's ``parse_generate`` (validation) and
+``prompt_ids_for`` (the one chat-template path), ``scheduler_body`` and ``params_from_wire``
+(the sampling params the verifier gets), then the factory's speculators; the figures come out
+by the scheduler's rule (:func:`treeserve.actors.acceptance.mean_tokens_per_step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators, parse_speculator
+from treeserve.cli_common import (
+    UserError,
+    add_expansion_flag,
+    add_format_flag,
+    add_model_flags,
+    model_name,
+    parse_expansion,
+    progress,
+)
+
+GENERATE_ROWS = 1
+"""The embedded server's KV-cache rows: one request."""
+
+
+def add_generate_parser(sub: Any) -> None:
+    """The ``generate`` subcommand's flags."""
+    gen = sub.add_parser("generate", help="print one completion of PROMPT")
+    gen.add_argument("prompt", help="the user message (wrapped in the model's chat template unless --raw)")
+    add_model_flags(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end the completion before the first appearance of TEXT (repeatable)")
+    gen.add_argument("--speculate", choices=[m.value for m in Speculate], default=Speculate.TREE.value)
+    add_format_flag(gen)
+    add_expansion_flag(gen)
+    gen.add_argument(
+        "--draft-layers", type=int, default=0,
+        help="add a self-drafting speculator = the model's first K layers (default 0: the server's default "
+             "speculators only)",
+    )
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    gen.add_argument(
+        "--in-process", action="store_true",
+        help="run the model in this process instead of through the actor system (debugging, benchmarks)",
+    )
+
+
+def generate_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The wire ``generate`` body of the flags (``transport/PROTOCOL.md``): what the server path
+    sends and the in-process path parses."""
+    body: dict[str, Any] = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    body.update(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, speculate=args.speculate)
+    if args.top_k is not None:
+        body["top_k"] = args.top_k
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.stop:
+        body["stop"] = list(args.stop)
+    return body
+
+
+def generate_speculators(args: argparse.Namespace) -> tuple[SpeculatorSpec, ...]:
+    """The server's default speculators for the model (feature drafter first, see
+    :func:`~treeserve.actors.speculator_factory.default_speculators`), then ``--draft-layers``'
+    self-drafter; none for ``--speculate none``."""
+    if args.speculate == Speculate.NONE:
+        return ()
+    specs = default_speculators(model_name(args))
+    if args.draft_layers:
+        try:
+            specs += (parse_speculator(f"self:{args.draft_layers}", parse_expansion(args.expansion)),)
+        except ValueError as exc:
+            raise UserError(f"--draft-layers: {exc}") from None
+    return specs
+
+
+def check_body(body: dict[str, Any], *, vocab_size: int, context_length: int) -> Any:
+    """The gateway's validation of ``body`` (a ``GenerateRequest``); its refusal as a :class:`UserError`."""
+    import dataclasses
+
+    from treeserve.actors.gateway_config import GatewayConfig
+    from treeserve.actors.gateway_request import InvalidRequest, parse_generate
+
+    # The limit a served gateway applies (the server keeps GatewayConfig's default).
+    max_prompt_chars = next(f.default for f in dataclasses.fields(GatewayConfig) if f.name == "max_prompt_chars")
+    try:
+        return parse_generate(body, vocab_size=vocab_size, context_length=context_length,
+                              max_prompt_chars=int(max_prompt_chars))
+    except InvalidRequest as exc:
+        raise UserError(str(exc)) from None
+
+
+async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
+                               specs: tuple[SpeculatorSpec, ...]) -> dict[str, Any]:
+    import tempfile
+
+    from treeserve.cli_serve import server_config
+    from treeserve.client import Client, ServerError
+    from treeserve.server import Server
+
+    with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
+        config = server_config(
+            model=model_name(args),
+            cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+            bind=f"ipc://{tmp}/gateway.sock",
+            dtype=args.dtype,
+            num_rows=GENERATE_ROWS,
+            row_capacity=min(8192, max(512, args.max_tokens + 2048)),
+            speculators=tuple(s.to_wire() for s in specs),
+        )
+        # Fail fast on bad values, before any process starts (the body holds no token ids, so
+        # the vocabulary is not consulted).
+        check_body(body, vocab_size=1, context_length=config.row_capacity - config.max_tree_nodes)
+        fields = dict(body)
+        prompt = fields.pop("prompt") if "prompt" in fields else fields.pop("messages")
+        speculate = fields.pop("speculate")
+        try:
+            async with Server(config, progress=progress) as server, Client(server.endpoint) as client:
+                started = time.perf_counter()
+                completion = await client.generate(prompt, speculate=speculate, **fields)
+                elapsed = time.perf_counter() - started
+        except ServerError as exc:
+            raise UserError(f"{exc}") from None
+    return {
+        "text": completion.text,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "matched_stop": completion.matched_stop,
+        "num_prompt_tokens": completion.num_prompt_tokens,
+        "num_steps": completion.num_steps,
+        "mean_accepted_per_step": completion.mean_accepted_per_step,
+        "tokens_per_s": len(completion.token_ids) / elapsed if elapsed > 0 else 0.0,
+        "ttft_s": completion.ttft_s,
+    }
+
+
+def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
+                         specs: tuple[SpeculatorSpec, ...]) -> dict[str, Any]:
+    from treeserve.actors.acceptance import mean_tokens_per_step
+    from treeserve.actors.gateway_request import InvalidRequest
+    from treeserve.actors.gateway_stream import prompt_ids_for, scheduler_body
+    from treeserve.actors.speculator_factory import load_drafter, make_speculators
+    from treeserve.actors.tree_wire import params_from_wire
+    from treeserve.models import load_model
+    from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
+
+    loaded = load_model(model_name(args), weight_format=args.dtype, cache_dir=args.cache_dir, progress=progress)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    context = model.config.max_seq_len
+    req = check_body(body, vocab_size=model.config.vocab_size, context_length=context)
+    try:
+        prompt_ids = prompt_ids_for(tokenizer, req, context)
+    except InvalidRequest as exc:
+        raise UserError(str(exc)) from None
+    params = params_from_wire(scheduler_body(req, prompt_ids, tokenizer.stop_ids)["params"])
+    if len(prompt_ids) + params.max_new_tokens > context:
+        raise UserError(f"prompt ({len(prompt_ids)} tokens) + --max-tokens {params.max_new_tokens} exceeds the "
+                        f"context of {context} tokens")
+    try:
+        drafters = [load_drafter(spec, model, weight_format=args.dtype,
+                                 cache_dir=None if args.cache_dir is None else str(args.cache_dir)) for spec in specs]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    speculators = make_speculators(specs, drafters, model.config.vocab_size)
+    started = time.perf_counter()
+    if req.speculate is Speculate.NONE:
+        result = generate_incremental(model, prompt_ids, params)
+        accepted_per_step: list[int] = [0] * result.num_steps  # one token per step, no drafts
+    else:
+        result = generate_speculative(model, speculators, prompt_ids, params, SpeculationMode(req.speculate.value))
+        accepted_per_step = list(result.accepted_per_step)
+    elapsed = time.perf_counter() - started
+    return {
+        "text": tokenizer.decode([t for t in result.token_ids if t not in params.stop_token_ids]),
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason.value,
+        "matched_stop": None,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_steps": result.num_steps,
+        "mean_accepted_per_step": mean_tokens_per_step(accepted_per_step),
+        "tokens_per_s": len(result.token_ids) / elapsed if elapsed > 0 else 0.0,
+        "ttft_s": None,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Print one completion (or, with ``--json``, one JSON object with its stats)."""
+    if not args.prompt:
+        raise UserError("the prompt is empty")
+    if args.stop and args.in_process:
+        raise UserError("--stop needs the server path (stop strings are matched by the gateway); drop --in-process")
+    body = generate_body(args)
+    specs = generate_speculators(args)
+    if args.in_process:
+        out = _generate_in_process(args, body, specs)
+    else:
+        import uvloop
+
+        out = uvloop.run(_generate_via_server(args, body, specs))
+    out.update(speculate=args.speculate, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        progress(f"{len(out['token_ids'])} tokens, {out['tokens_per_s']:.1f} tok/s, {out['num_steps']} steps, "
+                 f"{out['mean_accepted_per_step']:.2f} tokens/step")
+    return 0
+
+
+__all__ = ["add_generate_parser", "check_body", "cmd_generate", "generate_body", "generate_speculators"]

@@ -1,0 +1,187 @@
+"""``treeserve serve`` (run the server until interrupted) and ``treeserve node`` (offer this host's
+devices to a head). Flag defaults are :class:`~treeserve.server_config.ServerConfig`'s."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from treeserve.actors.policy import POLICY_NAMES, PREDICTION_POLICIES
+from treeserve.actors.speculator_factory import SPEC_SYNTAX, SpeculatorSpec, parse_speculator
+from treeserve.cli_common import (
+    UserError,
+    add_expansion_flag,
+    add_format_flag,
+    add_model_flags,
+    model_name,
+    parse_expansion,
+    progress,
+)
+from treeserve.server_config import ServerConfig
+
+NO_SPECULATION = "none"
+
+
+def add_serve_parser(sub: Any) -> None:
+    """The ``serve`` subcommand's flags."""
+    defaults = ServerConfig()
+    serve = sub.add_parser("serve", help="run the server until interrupted")
+    add_model_flags(serve)
+    serve.add_argument("--bind", default=defaults.bind, help="public gateway endpoint")
+    serve.add_argument(
+        "--speculator", action="append", default=None, metavar="SPEC",
+        help=f"speculator kind, repeatable, tried in this order: {SPEC_SYNTAX} (default: the server's default "
+             f"set); '{NO_SPECULATION}' disables speculation",
+    )
+    add_expansion_flag(serve)
+    serve.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel verifier ranks")
+    serve.add_argument("--scheduler", choices=POLICY_NAMES, default=defaults.scheduler,
+                       help=f"admission order; {'/'.join(PREDICTION_POLICIES)} use the output-length predictor")
+    serve.add_argument("--max-wait-s", type=float, default=defaults.max_wait_s,
+                       help=f"aging bound of {'/'.join(PREDICTION_POLICIES)}: a request waits at most about this "
+                            "long behind later ones")
+    serve.add_argument("--predictor", type=Path, default=None,
+                       help="length predictor .npz from `treeserve train-predictor` (default: the shipped one)")
+    serve.add_argument("--no-online-predictor", action="store_true",
+                       help="do not refine the predictor from completed requests")
+    serve.add_argument("--no-adaptive", action="store_true",
+                       help="always draft max-size token trees instead of sizing them by batch and measured gain")
+    add_format_flag(serve)
+    serve.add_argument("--device", default=defaults.device, help="cpu or cuda[:N]")
+    serve.add_argument("--num-rows", type=int, default=defaults.num_rows, help="concurrent requests (KV-cache rows; default %(default)s)")
+    serve.add_argument("--row-capacity", type=int, default=defaults.row_capacity, help="tokens per KV-cache row")
+    serve.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
+                       help="prompt tokens per prefill call: requests admitted together share batched forwards")
+    serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
+    serve.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                       help=f"restarts a supervisor makes within {defaults.restart_window_s:g} s before the server "
+                            "fails and exits with status 1")
+    serve.add_argument("--nodes", type=int, default=defaults.num_nodes, help="wait for this many `treeserve node` hosts to join")
+    serve.add_argument("--cluster-bind", default=defaults.cluster_bind, help="endpoint nodes join")
+
+
+def add_node_parser(sub: Any) -> None:
+    """The ``node`` subcommand's flags."""
+    node = sub.add_parser("node", help="offer this host's devices to a head server")
+    node.add_argument("--join", required=True, metavar="tcp://HEAD:PORT", help="the head's --cluster-bind endpoint")
+    node.add_argument("--advertise-host", default="127.0.0.1", help="address of this host that the head can reach")
+    node.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --advertise-host")
+    node.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1 (default: detect)")
+
+
+def speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ...]) -> tuple[SpeculatorSpec, ...] | None:
+    """The ``--speculator`` flags as specs (None: the server's defaults; ``none``: no speculation)."""
+    if specs is None:
+        return None
+    if NO_SPECULATION in specs:
+        return ()
+    try:
+        return tuple(parse_speculator(spec, expansion) for spec in specs)
+    except ValueError as exc:
+        raise UserError(f"--speculator: {exc}") from None
+
+
+def server_config(**fields: Any) -> ServerConfig:
+    """A :class:`ServerConfig`, its ``ValueError`` as a :class:`UserError`."""
+    try:
+        return ServerConfig(**fields)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; status 1 when a supervisor gave up (the process manager restarts us)."""
+    import uvloop
+
+    from treeserve.server import Server
+
+    specs = speculators_from_flags(args.speculator, parse_expansion(args.expansion))
+    config = server_config(
+        model=model_name(args),
+        cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+        bind=args.bind,
+        dtype=args.dtype,
+        device=args.device,
+        tp=args.tp,
+        scheduler=args.scheduler,
+        max_wait_s=args.max_wait_s,
+        predictor=None if args.predictor is None else str(args.predictor),
+        online_predictor=not args.no_online_predictor,
+        adaptive_speculation=not args.no_adaptive,
+        num_rows=args.num_rows,
+        row_capacity=args.row_capacity,
+        max_prefill_tokens=args.max_prefill_tokens,
+        speculators=None if specs is None else tuple(s.to_wire() for s in specs),
+        allow_public_bind=args.allow_public_bind,
+        num_nodes=args.nodes,
+        cluster_bind=args.cluster_bind,
+        max_restarts=args.max_restarts,
+    )
+
+    async def serve() -> list[str]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with Server(config, progress=progress) as server:
+            progress(f"ready: clients connect to {server.endpoint} (Ctrl-C stops)")
+            failures = await server.run_until(stop)
+            progress("stopping")
+        return failures
+
+    failures = uvloop.run(serve())
+    if failures:  # a supervisor gave up: let the process manager restart us
+        print(f"treeserve: error: the server failed: {'; '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """Join a head until it drops us (status 3) or we are interrupted (status 0)."""
+    import uvloop
+
+    from treeserve.runtime.cluster import JoinError, join
+    from treeserve.runtime.cluster_config import NodeConfig, NodeExit
+
+    try:
+        devices = None if args.devices is None else tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        config = NodeConfig(advertise_host=args.advertise_host, allow_public_bind=args.allow_public_bind, devices=devices)
+    except (TypeError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        joined = asyncio.ensure_future(
+            join(args.join, node_config=config, on_ready=lambda agent: progress(f"joined {args.join} as {agent.endpoint}"))
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({joined, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not joined.done():
+                joined.cancel()
+                try:
+                    await joined
+                except asyncio.CancelledError:
+                    pass
+                return 0
+        try:
+            outcome = joined.result()
+        except JoinError as exc:
+            raise UserError(str(exc)) from None
+        progress(f"node exits: {outcome.value}")
+        return 3 if outcome is NodeExit.DROPPED_BY_HEAD else 0
+
+    return int(uvloop.run(run()))
+
+
+__all__ = ["add_node_parser", "add_serve_parser", "cmd_node", "cmd_serve", "server_config", "speculators_from_flags"]

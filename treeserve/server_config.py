@@ -1,0 +1,111 @@
+"""``ServerConfig``: everything an embedded :class:`~treeserve.server.Server` needs, validated on
+construction without I/O. Its defaults are the command line's (``treeserve serve`` reads them
+from here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from treeserve.actors.policy import POLICY_NAMES
+from treeserve.actors.scheduler import SchedulerConfig
+from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators
+from treeserve.ops.formats import FORMAT_NAMES
+from treeserve.ops.loaders.registry import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything an embedded server needs; validated on construction, no I/O.
+
+    ``model``: registry name, ``.gguf`` path or HF folder. ``bind``: the public gateway
+    endpoint (loopback by default; ``tcp://127.0.0.1:0`` picks a free port). ``tp``: tensor
+    parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
+    ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
+    ``speculators``: the speculators every speculator actor runs, in order, as config entries
+    (:meth:`~treeserve.actors.speculator_factory.SpeculatorSpec.from_wire`; validated here);
+    empty disables speculation; None: :func:`~treeserve.actors.speculator_factory.default_speculators`. ``num_speculator_actors``:
+    one per device (on CPU: one per process). ``num_nodes``: other hosts that join with
+    ``treeserve node --join <cluster_bind>``; the server waits for them, then places
+    tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
+    gateway stay on this head). ``cluster_bind`` is the head runtime's endpoint for nodes.
+    ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
+    host's cores divided by the shards on it). Processes that share cores must not each use
+    them all: oversubscribed OpenMP threads spin against each other and run many times slower.
+    ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
+    proxy model predicts, run by a length-predictor actor (a child process with one thread):
+    ``predictor`` is a ``.npz`` from ``treeserve train-predictor`` (None: the shipped one, which
+    is used only for the model it was trained on; for other models these policies order by
+    ``max_tokens``); ``online_predictor`` refines it from completed requests. ``max_wait_s`` is
+    the aging bound: no request waits longer than about that behind later arrivals.
+    ``adaptive_speculation``: size each step's token trees (up to ``max_tree_nodes`` per row) from
+    the measured acceptance and step cost at the current batch size, down to plain decoding.
+    ``max_prefill_tokens``: prompt tokens per prefill call; requests admitted together share
+    calls and batched forwards up to it (a longer prompt goes alone).
+    """
+
+    model: str = DEFAULT_MODEL
+    cache_dir: str | None = None
+    bind: str = "tcp://127.0.0.1:5555"
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp: int = 1
+    num_rows: int = SchedulerConfig.num_rows
+    row_capacity: int = 2048
+    scheduler: str = "fcfs"
+    max_wait_s: float = 30.0
+    max_tree_nodes: int = 64
+    speculators: tuple[Mapping[str, Any], ...] | None = None
+    num_speculator_actors: int = 1
+    max_concurrent_streams: int = 256
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
+    heartbeat_interval_s: float = 0.5
+    start_timeout_s: float = 300.0
+    step_timeout_s: float = 300.0
+    allow_public_bind: bool = False
+    verifier_threads: int | None = None
+    speculator_threads: int = 1
+    num_nodes: int = 0
+    cluster_bind: str = "tcp://127.0.0.1:5556"
+    node_wait_timeout_s: float = 300.0
+    predictor: str | None = None
+    online_predictor: bool = True
+    adaptive_speculation: bool = True
+    max_prefill_tokens: int = 8192
+
+    def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
+        """``speculators``, or the defaults for ``model`` when it is None (config entries)."""
+        if self.speculators is None:
+            return tuple(spec.to_wire() for spec in default_speculators(self.model))
+        return self.speculators
+
+    def speculator_specs(self) -> tuple[SpeculatorSpec, ...]:
+        """:meth:`resolved_speculators`, validated."""
+        return tuple(SpeculatorSpec.from_wire(entry) for entry in self.resolved_speculators())
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FORMAT_NAMES:
+            raise ValueError(f"dtype (the weight format) must be one of {', '.join(FORMAT_NAMES)}, got {self.dtype!r}")
+        if self.scheduler not in POLICY_NAMES:
+            raise ValueError(f"scheduler must be one of {POLICY_NAMES}, got {self.scheduler!r}")
+        if self.speculators is not None:
+            self.speculator_specs()  # ValueError names the bad entry
+        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.num_nodes < 0:
+            raise ValueError(f"num_nodes must be >= 0, got {self.num_nodes}")
+        if self.num_nodes and not self.cluster_bind.startswith("tcp://"):
+            raise ValueError(f"cluster_bind must be a tcp:// endpoint, got {self.cluster_bind!r}")
+        if self.num_speculator_actors < 0:
+            raise ValueError(f"num_speculator_actors must be >= 0, got {self.num_speculator_actors}")
+        if self.row_capacity <= self.max_tree_nodes:
+            raise ValueError(f"row_capacity ({self.row_capacity}) must exceed max_tree_nodes ({self.max_tree_nodes})")
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// endpoint, got {self.bind!r}")
+
+
+__all__ = ["ServerConfig"]
