@@ -30,20 +30,23 @@ tokens stay eager: their ops are few per token, and their time is in the matrix 
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import torch
-import torch._inductor.config
 from torch import Tensor
 
 from treeserve.ops.kernels import tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer, apply_rope
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
+
+logger = logging.getLogger(__name__)
 
 MAX_NEW_TOKENS = 64
 """The most new tokens per row the step takes (the verifier's largest trees); longer inputs are
@@ -139,6 +142,23 @@ class DecodeStep:
         """True once the compiled function is in use."""
         return self._compiled is not None
 
+    def prepare_in_background(self) -> threading.Thread:
+        """:meth:`prepare` on a daemon thread, so that a server answers at once: until the
+        compiled function is in place, calls run :func:`step_hidden` eagerly (the same weights
+        and kernels, one by one). Loading a saved step takes 2-4 s on this project's 2 cores and
+        compiling one minutes, and prefill (the first token) never uses it. A failure is
+        logged and the step stays eager."""
+
+        def run() -> None:
+            try:
+                self.prepare()
+            except Exception:  # no C++ compiler, an inductor failure: serving goes on eagerly
+                logger.warning("preparing the compiled decode step failed; it stays eager", exc_info=True)
+
+        thread = threading.Thread(target=run, name="decode-step-prepare", daemon=True)
+        thread.start()
+        return thread
+
     def prepare(self) -> None:
         """Load the artifact, or compile it and save it there. Does nothing without an
         artifact path or when already prepared."""
@@ -150,7 +170,9 @@ class DecodeStep:
                 # Loading probes each vector ISA by compiling and dlopen-ing a test library in
                 # a subprocess (about 2 s); the saved kernels were built for this CPU (the
                 # file name covers its capability), so the probe is skipped.
-                with self.artifact.open("rb") as file, torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+                from torch._inductor import config as inductor_config  # 1.8 s of imports: only here
+
+                with self.artifact.open("rb") as file, inductor_config.patch({"cpp.vec_isa_ok": True}):
                     self._compiled = torch.compiler.load_compiled_function(file)
                 self.load_seconds = time.perf_counter() - started
                 return

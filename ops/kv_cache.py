@@ -23,22 +23,35 @@ import torch
 from torch import Tensor
 
 
-@torch.library.custom_op("treeserve::write_pending", mutates_args=("keys", "values"))
 def write_pending(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
     """Store new tokens' ``new_keys``/``new_values`` ``(B, T, n_kv, hd)`` at slots
     ``lengths[b] + t`` of one layer's ``keys``/``values`` ``(B, n_kv, C, hd)``, in place.
 
-    An opaque op, for compiled graphs: there, the same indexed store is functionalized into a
-    copy of the whole cache layer per step (a 64-row decode step took 90 ms on a 260-slot cache
-    and 311 ms on a 1,256-slot one). ``kernels.tree_attention_cpu.write_kv`` is its C++ twin.
+    Under ``torch.compile`` this is an opaque op (``treeserve::write_pending``): there, the same
+    indexed store is functionalized into a copy of the whole cache layer per step (a 64-row
+    decode step took 90 ms on a 260-slot cache and 311 ms on a 1,256-slot one). Eagerly it
+    stores directly (a custom op's first eager call imports torch._dynamo, 1.7 s).
+    ``kernels.tree_attention_cpu.write_kv`` is its C++ twin.
     """
+    if torch.compiler.is_compiling():
+        _write_pending_op(keys, values, new_keys, new_values, lengths)
+    else:
+        _store(keys, values, new_keys, new_values, lengths)
+
+
+def _store(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
     rows = torch.arange(keys.shape[0], device=keys.device)[:, None]  # (B, 1)
     slots = lengths[:, None] + torch.arange(new_keys.shape[1], device=keys.device)  # (B, T)
     keys[rows, :, slots] = new_keys  # indexed (B, T) -> (B, T, n_kv, hd)
     values[rows, :, slots] = new_values
 
 
-@write_pending.register_fake
+@torch.library.custom_op("treeserve::write_pending", mutates_args=("keys", "values"))
+def _write_pending_op(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
+    _store(keys, values, new_keys, new_values, lengths)
+
+
+@_write_pending_op.register_fake
 def _write_pending_shape(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: Tensor, lengths: Tensor) -> None:
     return None
 

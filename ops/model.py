@@ -179,10 +179,14 @@ class Transformer(nn.Module):
     rope_cos: Tensor  # (max_seq_len, hd) float32 buffers, not saved in state dicts
     rope_sin: Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, init: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        # init=False (from_state_dict, on the meta device): no random embedding, whose normal_
+        # on meta dispatches to Python references that import torch._dynamo (1.6 s of a
+        # server's start) for values never used.
+        weight = None if init else torch.empty(config.vocab_size, config.dim)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head: nn.Linear | None = (
@@ -193,7 +197,9 @@ class Transformer(nn.Module):
         # decode_step.DecodeStep, attached for serving: runs every forward of at most
         # decode_step.max_new new tokens per row (decode steps and trees); see _hidden_states.
         self.decode_step: DecodeStep | None = None
-        cos, sin = rope_tables(config)
+        # Under init=False from_state_dict sets the tables (torch.arange on meta would also
+        # import torch._dynamo).
+        cos, sin = rope_tables(config) if init else (torch.empty(0), torch.empty(0))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -207,7 +213,7 @@ class Transformer(nn.Module):
         the config's shapes exactly; missing or unexpected names raise ``ValueError``.
         """
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, init=False)
         try:
             model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
         except RuntimeError as exc:

@@ -114,6 +114,7 @@ def load_model(
     progress: ProgressCallback | None = None,
     weight_format: str | WeightFormat | None = None,
     compile_decode: bool = True,
+    background: bool = False,
 ) -> LoadedModel:
     """Load a model by registry name, ``.gguf`` path, converted folder or Hugging Face folder.
 
@@ -121,7 +122,7 @@ def load_model(
     dir and later loads read that converted copy. Weights end up in ``dtype``; with
     ``weight_format`` they are loaded in float32 and put into that format for serving
     (:func:`prepare_for_serving`, which also compiles the decode step unless ``compile_decode``
-    is False), and ``dtype`` is ignored.
+    is False, on a thread of its own with ``background``), and ``dtype`` is ignored.
     """
     if weight_format is not None:
         dtype = torch.float32
@@ -153,7 +154,8 @@ def load_model(
             "nor a folder with config.json"
         )
     if weight_format is not None:
-        prepare_for_serving(model, path, weight_format, cache_dir=cache_dir, compile_decode=compile_decode, progress=progress)
+        prepare_for_serving(model, path, weight_format, cache_dir=cache_dir, compile_decode=compile_decode,
+                            background=background, progress=progress)
     seconds = time.perf_counter() - started
     report_progress(progress, "done", f"model ready in {seconds:.1f} s")
     return LoadedModel(model=model, tokenizer=tokenizer, config=model.config, source=path,
@@ -233,10 +235,14 @@ def prepare_for_serving(
     *,
     cache_dir: str | Path | None = None,
     compile_decode: bool = True,
+    background: bool = False,
     progress: ProgressCallback | None = None,
 ) -> Transformer:
     """Put a float32 ``model`` (sharded already, if tensor-parallel) into ``weight_format`` and,
-    for the fast formats on CPU, attach the compiled one-token decode step.
+    for the fast formats on CPU, attach the compiled one-token decode step. ``background``
+    (a server's verifier): the step is attached at once and loads or compiles on a thread of its
+    own, running eagerly until then (:meth:`~treeserve.ops.decode_step.DecodeStep.prepare_in_background`),
+    so that a start serves its first token without waiting for it.
 
     The int formats' packed buffers are saved under ``<cache>/formatted`` on the first load and
     read back later (:func:`_formatted_path`). The decode step is compiled once per model,
@@ -245,7 +251,7 @@ def prepare_for_serving(
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
-    from treeserve.ops.decode_step import DecodeStep, artifact_name  # imports inductor: only here
+    from treeserve.ops.decode_step import DecodeStep, artifact_name
 
     fmt = resolve_format(weight_format, model.config, model.device)
     saved = _formatted_path(model, source, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
@@ -279,6 +285,10 @@ def prepare_for_serving(
         logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
         if progress is not None:
             progress(Progress("compile", message))
+    if background:
+        model.decode_step = step
+        step.prepare_in_background()
+        return model
     try:
         step.prepare()
     except Exception:  # a missing compiler or an inductor failure must not stop serving
