@@ -122,15 +122,20 @@ class Node:
         """Outgoing remote calls awaiting an answer."""
         return self._outbound.num_in_flight
 
+    async def stop_actors(self, timeout_s: float) -> None:
+        """Stop the hosted actors (each one's ``on_stop``), leaving the sockets open so that
+        their last calls to other processes still complete. Idempotent."""
+        for cell in list(self._cells.values()):
+            await cell.stop(timeout_s)
+        self._cells.clear()
+
     async def aclose(self, timeout_s: float) -> None:
         """Stop hosted actors, fail outgoing calls, close sockets. Idempotent."""
         if self._is_closed:
             return
         self._is_closed = True
         self._local.close()
-        for cell in list(self._cells.values()):
-            await cell.stop(timeout_s)
-        self._cells.clear()
+        await self.stop_actors(timeout_s)
         self._outbound.close()
         await self.tasks.aclose(timeout_s)
         if self._inbound is not None:

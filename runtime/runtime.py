@@ -140,8 +140,12 @@ class Runtime:
                 await self._tasks.aclose(timeout_s)
                 for local in self._local_supervisors:  # no restart may race the node's shutdown
                     await local.aclose(timeout_s / 4)
-                for sup in reversed(self._supervisors):
-                    await sup.aclose(timeout_s / 2)
+                # This process's actors stop first, while the child processes they call are
+                # still there (a scheduler's last release to a verifier that was already gone
+                # waited 1.7 s for its failure); then the children, all at once.
+                if self._node is not None:
+                    await self._node.stop_actors(timeout_s / 4)
+                await asyncio.gather(*(sup.aclose(timeout_s / 2) for sup in reversed(self._supervisors)))
                 if self._node is not None:
                     await self._node.aclose(timeout_s / 4)
         except TimeoutError:

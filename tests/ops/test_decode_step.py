@@ -4,6 +4,7 @@ step loads."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,19 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, 
     twin = _clone(cache)
     torch.testing.assert_close(_step_logits(loaded, torch.tensor([1, 2]), cache)[0],
                                _step_logits(step, torch.tensor([1, 2]), twin)[0])
+    # In the background (a server's verifier): the first call runs eagerly and only then
+    # starts the load; later calls switch to the loaded function.
+    background = DecodeStep(model, artifact=artifact)
+    background.prepare_in_background(idle_s=3600.0)
+    cache = _ragged_cache(model, [7, 19])
+    twin = _clone(cache)
+    assert not background.is_compiled
+    first = _step_logits(background, torch.tensor([1, 2]), cache)[0]
+    torch.testing.assert_close(first, _step_logits(eager_step, torch.tensor([1, 2]), twin)[0], rtol=0, atol=0)
+    deadline = time.monotonic() + 120
+    while not background.is_compiled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert background.is_compiled and background.load_seconds is not None
     if name == "bfloat16":  # a truncated file is replaced by a fresh compile, not served
         broken = tmp_path / "broken.aot"
         broken.write_bytes(artifact.read_bytes()[:100])

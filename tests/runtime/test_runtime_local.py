@@ -202,6 +202,21 @@ async def test_concurrency_limit_is_respected() -> None:
         assert sorted(await asyncio.gather(*tasks)) == ["0", "1", "2"]
 
 
+async def test_concurrency_limit_is_an_upper_bound() -> None:
+    """Workers start on demand, but never more than ``max_concurrency``: with all four busy,
+    a fifth call waits in the mailbox (here until its deadline) and runs nothing."""
+    async with Runtime() as rt:
+        wide = await rt.spawn(Wide, name="w")
+        busy = [asyncio.ensure_future(wide.ask("wait_gate", i, timeout=5.0)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(DeadlineExceeded):
+            await wide.ask("open_gate", timeout=0.3)
+        assert not any(task.done() for task in busy)
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+
+
 async def test_stop_fails_pending_callers_and_aclose_is_idempotent() -> None:
     rt = Runtime()
     await rt.start()
