@@ -9,22 +9,10 @@ from typing import Any, Protocol
 
 from treeserve.runtime.stats import InboundStats
 from treeserve.transport.sockets import CurveServerConfig
-from treeserve.transport.wire import WireLimits
+from treeserve.transport.wire import GATEWAY_LIMITS, GATEWAY_TARGET, WireLimits  # re-exported
 
 __all__ = ["GATEWAY_LIMITS", "GATEWAY_TARGET", "GatewayConfig", "GatewayStats", "TokenizerLike"]
 
-GATEWAY_TARGET = "gateway"
-"""The ``target`` every client request names."""
-
-GATEWAY_LIMITS = WireLimits(
-    max_message_bytes=2 * 1024 * 1024,
-    max_frames=1,
-    max_header_bytes=1024 * 1024,
-    max_container_len=262_144,
-    max_str_len=1024 * 1024,
-)
-"""Receive limits of the public socket: clients send small header-only requests, so
-anything bigger or with tensor frames is refused (``too_large``) before it is used."""
 
 class TokenizerLike(Protocol):
     """What the gateway needs from a tokenizer (``treeserve.ops.tokenizer.Tokenizer``)."""

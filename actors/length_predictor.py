@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treeserve.actors.messages import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
 from treeserve.actors.model_host import (
     SerialOffload,
     check_device,

@@ -32,17 +32,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from treeserve.actors.messages import (
-    FinishBody,
-    GenerateBody,
-    LengthReport,
-    PredictBody,
-    PredictReply,
-    PrefillRow,
-    RequestRelease,
-    StartBody,
-    StepRow,
-)
+from treeserve.actors.messages_gateway import FinishBody, GenerateBody
+from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_speculator import RequestRelease, StartBody
+from treeserve.actors.messages_verifier import PrefillRow, StepRow
 from treeserve.actors.scheduler_core import RequestState, SchedulerCore, prefill_chunks
 from treeserve.actors.scheduler_types import (
     Admission,

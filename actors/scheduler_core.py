@@ -33,7 +33,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from treeserve.actors.acceptance import mean_tokens_per_step
-from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from treeserve.actors.adaptive import AdaptiveSpeculation
+from treeserve.actors.adaptive_config import AdaptiveConfig
 from treeserve.actors.policy import QueuedRequest
 from treeserve.actors.scheduler_proposals import proposal_asks, take_proposals, verified_tree
 from treeserve.actors.scheduler_types import (

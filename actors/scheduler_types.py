@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from treeserve.actors.gateway_request import Speculate
-from treeserve.actors.messages import LengthReport, ProposeBody, RowVerdict
+from treeserve.actors.messages_length import LengthReport
+from treeserve.actors.messages_speculator import ProposeBody
+from treeserve.actors.messages_verifier import RowVerdict
 from treeserve.actors.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree

@@ -57,7 +57,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from treeserve.actors.messages import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
+from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
 from treeserve.actors.model_host import (
     DTYPES,
     SerialOffload,

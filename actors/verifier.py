@@ -40,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,18 +48,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.actors.messages import PrefillBody, PrefilledRow, PrefillReply, RowRelease, RowVerdict, StepBody, StepReply
-from treeserve.actors.model_host import (
-    DTYPES,
-    SerialOffload,
-    check_device,
-    check_int,
-    check_model_name,
-    check_str_or_none,
-    consume_exception,
+from treeserve.actors.messages_verifier import (
+    PrefillBody,
+    PrefilledRow,
+    PrefillReply,
+    RowRelease,
+    RowVerdict,
+    StepBody,
+    StepReply,
 )
-from treeserve.actors.scheduler_types import SchedulerConfig
+from treeserve.actors.model_host import SerialOffload, check_int, consume_exception
 from treeserve.actors.tree_wire import ParamsCache
+from treeserve.actors.verifier_config import VerifierConfig
 from treeserve.ops.batch_step import (
     RowStep,
     prefill_rows,
@@ -78,61 +76,6 @@ from treeserve.ops.verify import VerificationError, VerifyFn, VerifyResult, veri
 from treeserve.runtime import Actor, handler
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VerifierConfig:
-    """Validated config of one :class:`VerifierShard` (see ``from_wire`` for the dict form).
-
-    ``row_capacity`` None means the model's ``max_seq_len``. ``dist_timeout_s`` bounds every
-    collective (a rank whose peer died fails instead of hanging forever). ``num_threads`` sets
-    torch's intra-op threads for the whole process (None: torch's default, one per core), for
-    several CPU shards sharing one machine; only meant for ``process="child"`` actors.
-    """
-
-    model: str
-    cache_dir: str | None = None
-    dtype: str = "float32"
-    tp_rank: int = 0
-    tp_size: int = 1
-    dist_init: str | None = None
-    device: str = "cpu"
-    num_rows: int = SchedulerConfig.num_rows  # the one default: the scheduler's rows are the shards' rows
-    row_capacity: int | None = None
-    dist_timeout_s: float = 120.0
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        check_model_name(self.model)
-        check_str_or_none(self.cache_dir, "cache_dir")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        check_int(self.tp_size, "tp_size", minimum=1)
-        check_int(self.tp_rank, "tp_rank")
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"tp_rank must be < tp_size ({self.tp_size}), got {self.tp_rank}")
-        if self.tp_size > 1 and not (isinstance(self.dist_init, str) and self.dist_init.startswith(("tcp://", "file://"))):
-            raise ValueError(f"tp_size > 1 needs dist_init like 'tcp://127.0.0.1:PORT', got {self.dist_init!r}")
-        check_device(self.device)
-        check_int(self.num_rows, "num_rows", minimum=1)
-        if self.row_capacity is not None:
-            check_int(self.row_capacity, "row_capacity", minimum=2)
-        if isinstance(self.dist_timeout_s, bool) or not isinstance(self.dist_timeout_s, (int, float)) \
-                or not self.dist_timeout_s > 0:
-            raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
-        if self.num_threads is not None:
-            check_int(self.num_threads, "num_threads", minimum=1)
-
-    @classmethod
-    def from_wire(cls, config: Any) -> VerifierConfig:
-        """Build from the constructor dict; unknown keys are rejected with the known ones listed."""
-        if not isinstance(config, Mapping):
-            raise ValueError(f"VerifierShard config must be a dict, got {type(config).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in config if k not in known)
-        if unknown:
-            raise ValueError(f"unknown VerifierShard config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**config)
 
 
 def _float32(states: Tensor) -> np.ndarray:
@@ -250,7 +193,7 @@ class VerifierShard(Actor):
         row's first root. A row with ``"return_states": true`` gets ``"num_states"`` in its reply,
         and the reply's ``"states"`` stacks those rows' final hidden states of ``prompt_ids[:-1]``
         (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
-        row count, see :class:`~treeserve.actors.messages.PrefillReply`). Every entry is checked
+        row count, see :class:`~treeserve.actors.messages_verifier.PrefillReply`). Every entry is checked
         before any row is reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
         call = PrefillBody.from_wire(body)
         acks_only = call.rank0_answers and self.config.tp_rank > 0
@@ -428,9 +371,7 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
 
 
 __all__ = [
-    "DTYPES",
     "RowVerificationFailed",
-    "VerifierConfig",
     "VerifierShard",
     "rank0_broadcast_verifier",
     "row_checked_verifier",

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.messages import (
+from treeserve.actors.messages_verifier import (
     PrefillBody,
     PrefillReply,
     PrefillRow,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_LIMITS",
     "EXT_ACTOR_REF",
+    "GATEWAY_LIMITS",
+    "GATEWAY_TARGET",
     "EXT_TENSOR",
     "HEADER_VERSION_KEY",
     "HEADER_KIND_KEY",
@@ -133,3 +135,17 @@ class WireLimits:
 
 
 DEFAULT_LIMITS = WireLimits()
+
+GATEWAY_TARGET = "gateway"
+"""The ``target`` every client request names (PROTOCOL.md)."""
+
+GATEWAY_LIMITS = WireLimits(
+    max_message_bytes=2 * 1024 * 1024,
+    max_frames=1,
+    max_header_bytes=1024 * 1024,
+    max_container_len=262_144,
+    max_str_len=1024 * 1024,
+)
+"""Receive limits of the gateway's public socket: clients send small header-only requests, so
+anything bigger or with tensor frames is refused (``too_large``) before it is used. Clients
+check their requests against it before sending."""

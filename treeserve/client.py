@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
-from treeserve.actors.gateway_config import GATEWAY_LIMITS, GATEWAY_TARGET
 from treeserve.client_errors import (
     ClientClosedError,
     ClientError,
@@ -40,7 +39,7 @@ from treeserve.runtime.tasks import TaskOwner
 from treeserve.transport.codec import EncodeError
 from treeserve.transport.messages import ActorAddress, StreamEnd, StreamItem
 from treeserve.transport.sockets import CurveClientConfig
-from treeserve.transport.wire import DEFAULT_LIMITS
+from treeserve.transport.wire import DEFAULT_LIMITS, GATEWAY_LIMITS, GATEWAY_TARGET
 
 if TYPE_CHECKING:
     from treeserve.ops.sampling import SamplingParams

@@ -122,7 +122,8 @@ def load_model(
     dir and later loads read that converted copy. Weights end up in ``dtype``; with
     ``weight_format`` they are loaded in float32 and put into that format for serving
     (:func:`prepare_for_serving`, which also compiles the decode step unless ``compile_decode``
-    is False, on a thread of its own with ``background``), and ``dtype`` is ignored.
+    is False; with ``background`` a first compile runs on a thread of its own), and ``dtype``
+    is ignored.
     """
     if weight_format is not None:
         dtype = torch.float32
@@ -240,9 +241,11 @@ def prepare_for_serving(
 ) -> Transformer:
     """Put a float32 ``model`` (sharded already, if tensor-parallel) into ``weight_format`` and,
     for the fast formats on CPU, attach the compiled one-token decode step. ``background``
-    (a server's verifier): the step is attached at once and loads or compiles on a thread of its
-    own, running eagerly until then (:meth:`~treeserve.ops.decode_step.DecodeStep.prepare_in_background`),
-    so that a start serves its first token without waiting for it.
+    (a server's verifier): a step that must be compiled (minutes) compiles on a thread of its
+    own while the model serves eagerly (:meth:`~treeserve.ops.decode_step.DecodeStep.prepare_in_background`);
+    a saved one is still loaded before this returns (2-4 s). Loaded beside serving, it stalled
+    the first steps by up to 1.2 s each for about 3 s (its imports and unpickling hold the
+    interpreter lock), which cost a 128-token generation more than the wait it saved.
 
     The int formats' packed buffers are saved under ``<cache>/formatted`` on the first load and
     read back later (:func:`_formatted_path`). The decode step is compiled once per model,
@@ -285,7 +288,7 @@ def prepare_for_serving(
         logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
         if progress is not None:
             progress(Progress("compile", message))
-    if background:
+    if background and step.artifact is not None and not step.artifact.exists():
         model.decode_step = step
         step.prepare_in_background()
         return model

@@ -19,7 +19,8 @@ from collections import Counter
 
 import pytest
 
-from treeserve.actors.adaptive import AdaptiveConfig, AdaptiveSpeculation, rows_bucket
+from treeserve.actors.adaptive import AdaptiveSpeculation, rows_bucket
+from treeserve.actors.adaptive_config import AdaptiveConfig
 
 CANDIDATES = AdaptiveConfig().candidates
 

@@ -1,4 +1,4 @@
-"""The typed message bodies between actors (``actors/messages.py``).
+"""The typed message bodies between actors (``actors/messages*.py``).
 
 Every body survives ``to_wire`` -> the transport codec -> ``from_wire`` exactly; a body's
 tensors take one frame per kind whatever the row count (states and dense draft probabilities
@@ -16,24 +16,17 @@ import pytest
 import torch
 
 from treeserve.actors.gateway_request import Speculate
-from treeserve.actors.messages import (
-    FinishBody,
-    GenerateBody,
-    LengthReport,
-    MalformedReply,
-    PredictBody,
-    PredictReply,
+from treeserve.actors.messages import MalformedReply
+from treeserve.actors.messages_gateway import FinishBody, GenerateBody
+from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
+from treeserve.actors.messages_verifier import (
     PrefillBody,
     PrefilledRow,
     PrefillReply,
     PrefillRow,
-    ProposalRequest,
-    ProposeBody,
-    ProposeReply,
-    RequestRelease,
     RowRelease,
     RowVerdict,
-    StartBody,
     StepBody,
     StepReply,
     StepRow,

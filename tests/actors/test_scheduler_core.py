@@ -28,7 +28,8 @@ from treeserve.actors.scheduler_types import (
     StepReplies,
     TokensOut,
 )
-from treeserve.actors.messages import MalformedReply, RowVerdict
+from treeserve.actors.messages import MalformedReply
+from treeserve.actors.messages_verifier import RowVerdict
 from treeserve.actors.tree_wire import tree_to_wire
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree

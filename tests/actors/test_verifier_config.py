@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treeserve.actors.verifier import VerifierConfig
+from treeserve.actors.verifier_config import VerifierConfig
 
 GOOD = {"model": "m", "cache_dir": None, "dtype": "float32", "tp_rank": 0, "tp_size": 1, "dist_init": None,
         "device": "cpu", "num_rows": 4, "row_capacity": 128}

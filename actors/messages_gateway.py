@@ -1,0 +1,78 @@
+"""The bodies the gateway sends the scheduler: ``generate`` and ``finish`` (see
+:mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from treeserve.actors.gateway_request import Speculate, sampling_temperature
+from treeserve.actors.messages import check_request_id
+from treeserve.actors.tree_wire import params_from_wire, params_to_wire
+from treeserve.ops.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """The scheduler's ``generate {"request_id"?, "prompt_ids", "params"?, "speculate"?}`` body.
+
+    ``params`` are the request's sampling params, with the one temperature rule applied
+    (``transport/PROTOCOL.md`` 11.3: below the smallest sampling temperature is greedy, so no
+    row's scaled logits overflow); ``request_id`` None: the scheduler names the request."""
+
+    request_id: str | None
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    speculate: Speculate = Speculate.TREE
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = {"prompt_ids": list(self.prompt_ids), "params": params_to_wire(self.params),
+                "speculate": self.speculate.value}
+        return wire if self.request_id is None else {"request_id": self.request_id, **wire}
+
+    @classmethod
+    def from_wire(cls, body: Any, vocab_size: int) -> GenerateBody:
+        if not isinstance(body, Mapping):
+            raise ValueError("generate body must be a map")
+        unknown = set(body) - {"request_id", "prompt_ids", "params", "speculate"}
+        if unknown:
+            raise ValueError(f"unknown generate fields: {sorted(map(str, unknown))}")
+        prompt = body.get("prompt_ids")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt_ids must be a list of integers")
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids contains a token id outside [0, {vocab_size})")
+        params = params_from_wire(body.get("params") or {})
+        params = replace(params, temperature=sampling_temperature(params.temperature))
+        speculate = body.get("speculate", Speculate.TREE.value)
+        if speculate not in tuple(Speculate):
+            raise ValueError(f"speculate must be one of {tuple(m.value for m in Speculate)}, got {speculate!r}")
+        request_id = body.get("request_id")
+        return cls(request_id if isinstance(request_id, str) and request_id else None, tuple(prompt), params,
+                   Speculate(speculate))
+
+
+@dataclass(frozen=True)
+class FinishBody:
+    """``finish {"request_id", "num_tokens"}``: end a running request after its ``num_tokens``-th token."""
+
+    request_id: str
+    num_tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> FinishBody:
+        if not isinstance(body, Mapping) or set(body) != {"request_id", "num_tokens"}:
+            raise ValueError("finish takes {request_id, num_tokens}")
+        num_tokens = body["num_tokens"]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        return cls(check_request_id(body["request_id"]), num_tokens)
+
+
+__all__ = ["FinishBody", "GenerateBody"]

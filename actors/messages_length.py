@@ -1,0 +1,74 @@
+"""The bodies between the scheduler and the length predictor: ``predict`` (and its reply) and
+``observe`` (see :mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from treeserve.actors.messages import MalformedReply, check_request_id, check_token_ids
+from treeserve.actors.model_host import check_body, check_int
+
+
+@dataclass(frozen=True)
+class PredictBody:
+    """``predict {"request_id", "prompt_ids"}``: the predicted output length of one prompt."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids)}
+
+    @classmethod
+    def from_wire(cls, body: Any, vocab_size: int) -> PredictBody:
+        body = check_body(body, ("request_id", "prompt_ids"))
+        return cls(check_request_id(body["request_id"]),
+                   check_token_ids(body["prompt_ids"], "prompt_ids", vocab_size, non_empty=True))
+
+
+@dataclass(frozen=True)
+class PredictReply:
+    """``{"predicted_len": float}``: predicted output tokens."""
+
+    predicted_len: float
+
+    def to_wire(self) -> dict[str, float]:
+        return {"predicted_len": self.predicted_len}
+
+    @classmethod
+    def from_wire(cls, reply: Any) -> PredictReply:
+        value = reply.get("predicted_len") if isinstance(reply, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
+            raise MalformedReply(f"the length predictor answered {reply!r}, not a finite 'predicted_len'")
+        return cls(float(value))
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """``observe {"request_id", "num_generated_tokens", "is_censored"}``: how long a request
+    really ran, for a length predictor that learns online (``is_censored``: the request ended
+    before its natural end, so the length is a lower bound)."""
+
+    request_id: str
+    num_generated_tokens: int
+    is_censored: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "num_generated_tokens": self.num_generated_tokens,
+                "is_censored": self.is_censored}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> LengthReport:
+        body = check_body(body, ("request_id", "num_generated_tokens", "is_censored"))
+        censored = body["is_censored"]
+        if not isinstance(censored, bool):
+            raise ValueError("is_censored must be true or false")
+        return cls(check_request_id(body["request_id"]),
+                   check_int(body["num_generated_tokens"], "num_generated_tokens"), censored)
+
+
+__all__ = ["LengthReport", "PredictBody", "PredictReply"]
