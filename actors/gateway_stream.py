@@ -14,6 +14,8 @@ from typing import Any, cast
 
 from treeserve.actors.gateway_config import TokenizerLike
 from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest
+from treeserve.actors.messages_gateway import GenerateBody
+from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 from treeserve.runtime.errors import ActorError
 from treeserve.runtime.ref import ActorRef
@@ -70,22 +72,17 @@ def prompt_ids_for(tokenizer: TokenizerLike, req: GenerateRequest, context_lengt
 
 
 def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> dict[str, Any]:
-    """The scheduler's ``generate`` body (fresh ``request_id``; sampling params in the
-    wire form of ``actors/tree_wire.params_to_wire``; the tokenizer's ``stop_ids`` plus
-    the request's own stop ids)."""
-    return {
-        "request_id": uuid.uuid4().hex,
-        "prompt_ids": prompt_ids,
-        "params": {
-            "temperature": req.temperature,
-            "top_k": req.top_k,
-            "top_p": req.top_p,
-            "seed": req.seed,
-            "stop_token_ids": sorted(set(stop_ids) | set(req.stop_token_ids)),
-            "max_new_tokens": req.max_tokens,
-        },
-        "speculate": req.speculate.value,
-    }
+    """The scheduler's ``generate`` body (:class:`~treeserve.actors.messages_gateway.GenerateBody`,
+    fresh ``request_id``; the tokenizer's ``stop_ids`` plus the request's own stop ids)."""
+    params = SamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop_token_ids=tuple(sorted(set(stop_ids) | set(req.stop_token_ids))),
+        max_new_tokens=req.max_tokens,
+    )
+    return GenerateBody(uuid.uuid4().hex, tuple(prompt_ids), params, req.speculate).to_wire()
 
 
 class StopMatcher:

@@ -145,14 +145,16 @@ class DecodeStep:
         return self._compiled is not None
 
     def prepare_in_background(self, *, idle_s: float = 10.0) -> None:
-        """:meth:`prepare` on a daemon thread, so that a server answers at once: until the
-        compiled function is in place, calls run :func:`step_hidden` eagerly (the same weights
-        and kernels, one by one). A failure is logged and the step stays eager.
+        """:meth:`prepare` on a daemon thread, so that a server answers while its step
+        compiles (minutes; :func:`~treeserve.ops.loaders.load.prepare_for_serving` loads a
+        saved step in the foreground instead): until the compiled function is in place, calls
+        run :func:`step_hidden` eagerly (the same weights and kernels, one by one). A failure
+        is logged and the step stays eager.
 
         The thread starts once the first call has returned (a server's first prefill), or
-        after ``idle_s`` without a call: loading a saved step imports dynamo and inductor
-        and holds the interpreter lock most of its 2-4 s on this project's 2 cores, and a
-        first prefill run beside it took 2.6 s instead of 0.1 s.
+        after ``idle_s`` without a call: tracing and loading import dynamo and inductor and
+        hold the interpreter lock for seconds on this project's 2 cores, and a first prefill
+        run beside them took 2.6 s instead of 0.1 s.
         """
         self._background = "waiting"
         timer = threading.Timer(idle_s, self._start_background)
