@@ -169,7 +169,8 @@ class VerifierShard(Actor):
         # q4_1 takes the GGUF's blocks whole, which a tensor-parallel shard does not hold: auto
         # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
         weight_format = "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
-        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir, background=True)
+        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir,
+                                    background=cfg.compile_in_background)
         self._model = model
         self._cache = model.new_cache(cfg.num_rows, capacity)
 

@@ -20,6 +20,9 @@ class VerifierConfig:
     collective (a rank whose peer died fails instead of hanging forever). ``num_threads`` sets
     torch's intra-op threads for the whole process (None: torch's default, one per core), for
     several CPU shards sharing one machine; only meant for ``process="child"`` actors.
+    ``compile_in_background``: a decode step that must be compiled first (minutes) compiles
+    while the shard serves eagerly (a long-lived server); otherwise before it serves (a
+    short-lived process would be gone before a background compile is saved).
     """
 
     model: str
@@ -33,6 +36,7 @@ class VerifierConfig:
     row_capacity: int | None = None
     dist_timeout_s: float = 120.0
     num_threads: int | None = None
+    compile_in_background: bool = False
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -54,6 +58,8 @@ class VerifierConfig:
             raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
         if self.num_threads is not None:
             check_int(self.num_threads, "num_threads", minimum=1)
+        if not isinstance(self.compile_in_background, bool):
+            raise ValueError(f"compile_in_background must be a boolean, got {self.compile_in_background!r}")
 
     @classmethod
     def from_wire(cls, config: Any) -> VerifierConfig:

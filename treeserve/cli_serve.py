@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = server_config(
         model=model_name(args),
         cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+        compile_in_background=True,  # a long-lived server: serve eagerly while a first compile runs
         bind=args.bind,
         dtype=args.dtype,
         device=args.device,

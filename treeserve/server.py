@@ -202,6 +202,7 @@ class Server:
                 "tp_rank": rank, "tp_size": cfg.tp, "dist_init": dist_init,
                 "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
                 "num_threads": cfg.verifier_threads or max(1, _num_cores() // (1 if cluster else cfg.tp)),
+                "compile_in_background": cfg.compile_in_background,
             }
             for rank in range(cfg.tp)
         ]

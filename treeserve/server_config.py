@@ -30,7 +30,10 @@ class ServerConfig:
     ``treeserve node --join <cluster_bind>``; the server waits for them, then places
     tensor-parallel ranks 1.. and the speculators on them (rank 0, the scheduler and the
     gateway stay on this head). ``cluster_bind`` is the head runtime's endpoint for nodes.
-    ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
+    ``compile_in_background``: a decode step compiled for the first time (minutes) compiles
+    while the verifier serves eagerly (``treeserve serve``), instead of before it serves (the
+    default, and ``treeserve generate``'s: a short process would end before the compile is
+    saved). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
     host's cores divided by the shards on it). Processes that share cores must not each use
     them all: oversubscribed OpenMP threads spin against each other and run many times slower.
     ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
@@ -66,6 +69,7 @@ class ServerConfig:
     step_timeout_s: float = 300.0
     allow_public_bind: bool = False
     verifier_threads: int | None = None
+    compile_in_background: bool = False
     speculator_threads: int = 1
     num_nodes: int = 0
     cluster_bind: str = "tcp://127.0.0.1:5556"
