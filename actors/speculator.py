@@ -226,8 +226,9 @@ class SpeculatorActor(Actor):
                 state.last_token = new_tokens[-1]
                 state.history_len += len(new_tokens)
             if request.states is not None and request.states.shape[0]:
-                # The LLM's states of the tokens before the root (all of them with a history).
-                states = torch.from_numpy(request.states)
+                # The LLM's states of the tokens before the root (all of them with a history);
+                # a copy: the array is a read-only view of the received frame.
+                states = torch.from_numpy(request.states.copy())
                 for speculator in state.speculators:
                     if isinstance(speculator, _FeatureUser) and speculator.uses_features:
                         speculator.add_features(states)
