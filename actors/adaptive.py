@@ -57,15 +57,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treeserve.actors.adaptive_config import AdaptiveConfig
+from treeserve.actors.adaptive_config import AdaptiveConfig, is_int
 
 _MAX_EXPLORE_STRETCH = 64  # a measured neighbour is probed at least every 64 * explore_every bucket steps
 _MIN_CELL_STEPS = 3  # a cell is the median of its first 3 steps, probed at the climbing pace until then
 _FRESH_CELL_SPREAD = 0.15  # assumed relative mean absolute deviation of a cell measured once
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def rows_bucket(num_rows: int) -> int:
@@ -313,9 +309,9 @@ class AdaptiveSpeculation:
             raise ValueError(f"expected {num_rows} nodes and accepted counts, got "
                              f"{len(nodes_per_row)} and {len(accepted_per_row)}")
         for nodes, accepted in zip(nodes_per_row, accepted_per_row):
-            if not (_is_int(nodes) and 1 <= nodes <= budget):
+            if not (is_int(nodes) and 1 <= nodes <= budget):
                 raise ValueError(f"nodes per row must be ints in [1, budget={budget}], got {nodes!r}")
-            if not (_is_int(accepted) and 0 <= accepted < nodes):
+            if not (is_int(accepted) and 0 <= accepted < nodes):
                 raise ValueError(f"accepted drafts must be ints in [0, nodes), got {accepted!r} of {nodes}")
         for name, seconds in (("verify_s", verify_s), ("propose_s", propose_s)):
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
@@ -357,5 +353,5 @@ class AdaptiveSpeculation:
 
     @staticmethod
     def _check_rows(num_rows: int) -> None:
-        if not _is_int(num_rows) or num_rows < 1:
+        if not is_int(num_rows) or num_rows < 1:
             raise ValueError(f"num_rows must be an int >= 1, got {num_rows!r}")

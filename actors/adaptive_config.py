@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (the config's and the policy's counts)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -48,7 +49,7 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         cands = self.candidates
-        if not isinstance(cands, tuple) or not cands or not all(_is_int(c) for c in cands):
+        if not isinstance(cands, tuple) or not cands or not all(is_int(c) for c in cands):
             raise ValueError(f"AdaptiveConfig.candidates must be a non-empty tuple of ints, got {cands!r}")
         if cands[0] != 1:
             raise ValueError(f"AdaptiveConfig.candidates must start at 1 (no speculation), got {cands!r}")
@@ -64,7 +65,7 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.switch_confidence must be in [0, 10], got {self.switch_confidence!r}")
         if not (isinstance(self.explore_cost, (int, float)) and 0 < self.explore_cost <= 1):
             raise ValueError(f"AdaptiveConfig.explore_cost must be in (0, 1], got {self.explore_cost!r}")
-        if not _is_int(self.explore_every) or self.explore_every < 2:
+        if not is_int(self.explore_every) or self.explore_every < 2:
             raise ValueError(f"AdaptiveConfig.explore_every must be an int >= 2, got {self.explore_every!r}")
         for name in ("outlier_clip", "prior_weight"):
             value = getattr(self, name)
@@ -84,4 +85,4 @@ class AdaptiveConfig:
             raise ValueError(f"AdaptiveConfig.prior_verify_s base must be > 0, got {self.prior_verify_s!r}")
 
 
-__all__ = ["AdaptiveConfig"]
+__all__ = ["AdaptiveConfig", "is_int"]
