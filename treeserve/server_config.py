@@ -54,11 +54,12 @@ class ServerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     tp: int = 1
+    # What the scheduler is given takes the scheduler's own defaults (one definition each).
     num_rows: int = SchedulerConfig.num_rows
-    row_capacity: int = 2048
-    scheduler: str = "fcfs"
-    max_wait_s: float = 30.0
-    max_tree_nodes: int = 64
+    row_capacity: int = SchedulerConfig.row_capacity
+    scheduler: str = SchedulerConfig.policy
+    max_wait_s: float = SchedulerConfig.max_wait_s
+    max_tree_nodes: int = SchedulerConfig.max_tree_nodes
     speculators: tuple[Mapping[str, Any], ...] | None = None
     num_speculator_actors: int = 1
     max_concurrent_streams: int = 256
@@ -66,7 +67,7 @@ class ServerConfig:
     restart_window_s: float = 60.0
     heartbeat_interval_s: float = 0.5
     start_timeout_s: float = 300.0
-    step_timeout_s: float = 300.0
+    step_timeout_s: float = SchedulerConfig.step_timeout_s
     allow_public_bind: bool = False
     verifier_threads: int | None = None
     compile_in_background: bool = False
@@ -76,8 +77,8 @@ class ServerConfig:
     node_wait_timeout_s: float = 300.0
     predictor: str | None = None
     online_predictor: bool = True
-    adaptive_speculation: bool = True
-    max_prefill_tokens: int = 8192
+    adaptive_speculation: bool = SchedulerConfig.adaptive_speculation
+    max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens
 
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None (config entries)."""
