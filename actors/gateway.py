@@ -26,9 +26,15 @@ from treeserve.actors.gateway_config import (
     GatewayStats,
     TokenizerLike,
 )
-from treeserve.actors.gateway_peers import ClientPeers
+from treeserve.actors.gateway_peers import ClientPeers, cut_off_error
 from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest, parse_generate
-from treeserve.actors.gateway_stream import error_reply, prompt_ids_for, relay_generation, scheduler_body
+from treeserve.actors.gateway_stream import (
+    chat_roles_for,
+    error_reply,
+    prompt_ids_for,
+    relay_generation,
+    scheduler_body,
+)
 from treeserve.runtime.actor import Actor, handler
 from treeserve.runtime.inbound import Inbound, Refusal, bind_router
 from treeserve.runtime.pump import SendOutcome
@@ -50,13 +56,16 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _SEND_RETRY_S = 0.005  # polling a slow client's full queue: 256 streams must not spin the loop
+_FINAL_RETRY_S = 0.05  # retrying a lost stream's final error until its client is back
 
 
 class _Why(enum.Enum):
-    """Why a stream task was cancelled (decides what, if anything, the client is told)."""
+    """Why a stream task was cancelled (decides what the client is told: nothing after its
+    own cancel, ``unavailable`` at shutdown, a final ``cancelled`` error when it was cut off)."""
 
     CLIENT_CANCEL = "client_cancel"
-    DISCONNECT = "disconnect"
+    SILENT = "client_silent"  # nothing heard from the client for disconnect_timeout_s
+    UNREACHABLE = "client_unreachable"  # a message to it could not be delivered
     SHUTDOWN = "shutdown"
 
 
@@ -92,7 +101,10 @@ class GatewayActor(Actor):
     (new text, never a split UTF-8 character, plus token ids), then a ``stream_end`` with
     the full text and the scheduler's stats. A client ``cancel``, a failed send, or a
     client silent for ``disconnect_timeout_s`` cancels the scheduler stream, which frees
-    the request's KV row. Bad messages get an error reply (or are dropped and counted when
+    the request's KV row. A stream the gateway cuts off (silence, a failed send, a dropped
+    connection) still gets a final ``cancelled`` error, retried for ``disconnect_timeout_s``
+    until the client is reachable again (a client that keeps its routing id across a
+    reconnect gets it). Bad messages get an error reply (or are dropped and counted when
     no reply is possible); everyone else keeps being served. Which clients are watched,
     and when each was last heard, is ``ClientPeers`` (``gateway_peers.py``).
 
@@ -118,6 +130,7 @@ class GatewayActor(Actor):
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._stop_ids = sorted({int(t) for t in tokenizer.stop_ids})
+        self._roles = chat_roles_for(tokenizer)
         self._scheduler = scheduler
         self._failures = failures
         self._ctx: zmq.asyncio.Context | None = None
@@ -148,7 +161,8 @@ class GatewayActor(Actor):
         self._ctx = zmq.asyncio.Context()
         try:
             self._sock, self._auth = await bind_router(
-                self._ctx, cfg.bind, limits=cfg.limits, curve=cfg.curve, allow_public_bind=cfg.allow_public_bind)
+                self._ctx, cfg.bind, limits=cfg.limits, curve=cfg.curve, allow_public_bind=cfg.allow_public_bind,
+                handover=True)
             self._endpoint = bound_endpoint(self._sock)
         except BaseException:
             await self._close_sockets()
@@ -164,7 +178,7 @@ class GatewayActor(Actor):
         self._inbound = Inbound(
             sock, f"gateway {self._endpoint}", limits=cfg.limits, stats=self.stats_counters,
             admit=self._admit, cancel=self._on_client_cancel, heard_from=self._heard_from,
-            send_limits=DEFAULT_LIMITS, send_retry_s=_SEND_RETRY_S,
+            on_disconnect=self._on_connection_dropped, send_limits=DEFAULT_LIMITS, send_retry_s=_SEND_RETRY_S,
         )
         _log.info("gateway serving on %s", self._endpoint)
 
@@ -245,6 +259,7 @@ class GatewayActor(Actor):
                 vocab_size=self._vocab_size,
                 context_length=cfg.context_length,
                 max_prompt_chars=cfg.max_prompt_chars,
+                roles=self._roles,
             )
         except InvalidRequest as exc:
             return self._invalid(str(exc))
@@ -279,6 +294,7 @@ class GatewayActor(Actor):
             "max_prompt_chars": cfg.max_prompt_chars,
             "max_concurrent_streams": cfg.max_concurrent_streams,
             "heartbeat_interval_s": cfg.heartbeat_interval_s,
+            "disconnect_timeout_s": cfg.disconnect_timeout_s,
         }
 
     # ------------------------------------------------------------------ liveness
@@ -306,16 +322,26 @@ class GatewayActor(Actor):
                 for peer in self._peers.silent(now, cfg.disconnect_timeout_s):
                     _log.info("gateway: client silent for over %.1fs; cancelling its streams",
                               cfg.disconnect_timeout_s)
-                    self._disconnect(peer)
-            for peer, seq in self._peers.next_beats():
-                if self._send_now(peer, Heartbeat(seq, time.time(), GATEWAY_TARGET)) is SendOutcome.GONE:
-                    self._disconnect(peer)
+                    self._disconnect(peer, _Why.SILENT)
+            self._beat_all()
 
-    def _disconnect(self, peer: bytes, current: _Stream | None = None) -> None:
-        """Cancel every stream of ``peer``; ``current`` (the caller's own stream, which
-        is ending by itself) is only marked."""
+    def _beat_all(self) -> None:
+        """Heartbeat every watched client; one that cannot be reached loses its streams."""
+        for peer, seq in self._peers.next_beats():
+            if self._send_now(peer, Heartbeat(seq, time.time(), GATEWAY_TARGET)) is SendOutcome.GONE:
+                self._disconnect(peer, _Why.UNREACHABLE)
+
+    def _on_connection_dropped(self) -> None:
+        """ZeroMQ dropped a client connection (it does not say whose: a frame above the size
+        limit, a vanished process): what was queued to that client is lost. Probe everyone
+        now, before a client that keeps its routing id is back, so none loses items silently."""
+        self._beat_all()
+
+    def _disconnect(self, peer: bytes, why: _Why, current: _Stream | None = None) -> None:
+        """Cancel every stream of ``peer`` for ``why``; ``current`` (the caller's own stream,
+        which is ending by itself) is only marked."""
         if current is not None:
-            current.cancel_reason = _Why.DISCONNECT
+            current.cancel_reason = why
         msg_ids = self._peers.pop(peer)
         if msg_ids is None:
             return
@@ -323,7 +349,7 @@ class GatewayActor(Actor):
         for msg_id in list(msg_ids):
             stream = None if self._inbound is None else self._inbound.get(peer, msg_id)
             if stream is not None and stream is not current:
-                self._cancel(stream, _Why.DISCONNECT)
+                self._cancel(stream, why)
 
     def _cancel(self, stream: _Stream, why: _Why) -> None:
         if stream.cancel_reason is None:
@@ -354,8 +380,8 @@ class GatewayActor(Actor):
     async def _run_stream(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:
         try:
             error = await self._generate_guarded(stream, req, timeout_s)
-            if stream.cancel_reason is _Why.DISCONNECT:
-                pass  # nobody left to tell
+            if stream.cancel_reason in (_Why.SILENT, _Why.UNREACHABLE):
+                self._tell_cut_off(stream)
             elif error is None:
                 self.stats_counters.num_completed += 1
             else:
@@ -368,9 +394,35 @@ class GatewayActor(Actor):
             if stream.cancel_reason in (None, _Why.SHUTDOWN):
                 self._send_now(stream.peer, Error(
                     stream.msg_id, ErrorCode.UNAVAILABLE, "the gateway is shutting down", True))
+            elif stream.cancel_reason in (_Why.SILENT, _Why.UNREACHABLE):
+                self._tell_cut_off(stream)
             raise
         finally:
             self._forget(stream)
+
+    def _tell_cut_off(self, stream: _Stream) -> None:
+        """Send the final error of a stream the gateway cut off, now or, when its client cannot
+        be reached, from an owned task that retries until it can or ``disconnect_timeout_s``."""
+        cfg = self.config
+        error = cut_off_error(stream.msg_id, is_silent=stream.cancel_reason is _Why.SILENT,
+                              disconnect_timeout_s=cfg.disconnect_timeout_s,
+                              heartbeat_interval_s=cfg.heartbeat_interval_s)
+        if self._send_now(stream.peer, error) is SendOutcome.SENT or self._tg is None or self._is_stopping:
+            return
+        retry = self._deliver_when_reachable(stream.peer, error)
+        try:
+            self._tg.create_task(retry, name=f"gateway:final:{stream.msg_id}")
+        except RuntimeError:  # the stream owner is ending (shutdown): the client hears no more
+            retry.close()
+
+    async def _deliver_when_reachable(self, peer: bytes, error: Error) -> None:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.config.disconnect_timeout_s
+        while loop.time() < give_up_at:
+            await asyncio.sleep(_FINAL_RETRY_S)
+            if self._send_now(peer, error) is SendOutcome.SENT:
+                return
+
 
     async def _generate_guarded(
         self, stream: _Stream, req: GenerateRequest, timeout_s: float | None
@@ -379,7 +431,7 @@ class GatewayActor(Actor):
             async with asyncio.timeout(timeout_s):
                 await self._generate(stream, req, timeout_s)
         except _PeerGone:
-            self._disconnect(stream.peer, current=stream)
+            self._disconnect(stream.peer, _Why.UNREACHABLE, current=stream)
             return None
         except Exception as exc:
             if isinstance(exc, InvalidRequest):

@@ -15,7 +15,9 @@ __all__ = ["GATEWAY_LIMITS", "GATEWAY_TARGET", "GatewayConfig", "GatewayStats", 
 
 
 class TokenizerLike(Protocol):
-    """What the gateway needs from a tokenizer (``treeserve.ops.tokenizer.Tokenizer``)."""
+    """What the gateway needs from a tokenizer (``treeserve.ops.tokenizer.Tokenizer``). Its
+    ``encode`` must turn no special-token text into a control token: only a ``Tokenizer`` is
+    asked to keep user text apart (``split_special_tokens``), any other one is taken as is."""
 
     @property
     def stop_ids(self) -> Iterable[int]:

@@ -5,14 +5,35 @@ its network cut): nothing else would ever cancel that client's streams and free 
 KV rows. So every client with a stream open is watched (``transport/PROTOCOL.md`` 11.5):
 any message from it is a sign of life, the gateway heartbeats it every interval, and a
 client silent for ``disconnect_timeout_s`` is cut off. This table makes those decisions;
-the gateway does the sending and cancelling.
+the gateway does the sending and cancelling. A stream cut off still ends with a final error,
+``cut_off_error`` (``transport/PROTOCOL.md`` 11.5).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ClientPeers"]
+from treeserve.transport.messages import Error
+from treeserve.transport.wire import ErrorCode
+
+__all__ = ["ClientPeers", "cut_off_error"]
+
+
+def cut_off_error(msg_id: int, *, is_silent: bool, disconnect_timeout_s: float,
+                  heartbeat_interval_s: float) -> Error:
+    """The final error of stream ``msg_id``, cut off because its client was silent for
+    ``disconnect_timeout_s`` (``is_silent``) or could not be reached: ``cancelled``, retryable
+    (the request was fine), ``details.reason`` ``"client_silent"`` or ``"client_unreachable"``."""
+    if is_silent:
+        text = (f"cancelled: nothing heard from this client for over {disconnect_timeout_s}s "
+                f"(disconnect_timeout_s); while streams are open, send a heartbeat at least every "
+                f"{heartbeat_interval_s}s")
+    else:
+        text = ("cancelled: a message of this stream could not be delivered (the connection to this client "
+                f"dropped, or its receive queue stayed full for {disconnect_timeout_s}s); items may be missing")
+    reason = "client_silent" if is_silent else "client_unreachable"
+    return Error(msg_id, ErrorCode.CANCELLED, text, True,
+                 {"reason": reason, "disconnect_timeout_s": disconnect_timeout_s})
 
 
 @dataclass(slots=True)

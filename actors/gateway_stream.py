@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from treeserve.actors.gateway_config import TokenizerLike
-from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest
+from treeserve.actors.gateway_request import CHAT_ROLES, GenerateRequest, InvalidRequest
 from treeserve.actors.messages_gateway import GenerateBody
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -22,7 +22,15 @@ from treeserve.runtime.ref import ActorRef
 from treeserve.transport.messages import Error
 from treeserve.transport.wire import ErrorCode
 
-__all__ = ["STAT_KEYS", "StopMatcher", "error_reply", "prompt_ids_for", "relay_generation", "scheduler_body"]
+__all__ = [
+    "STAT_KEYS",
+    "StopMatcher",
+    "chat_roles_for",
+    "error_reply",
+    "prompt_ids_for",
+    "relay_generation",
+    "scheduler_body",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -41,21 +49,39 @@ STAT_KEYS = (
 internal fields that are no business of the client)."""
 
 
+def chat_roles_for(tokenizer: TokenizerLike) -> frozenset[str]:
+    """The roles ``messages`` may use with ``tokenizer``: system, user and assistant, plus the
+    roles its chat template names (``Tokenizer.chat_roles``); pass it as ``parse_generate``'s
+    ``roles``."""
+    if isinstance(tokenizer, Tokenizer):
+        return CHAT_ROLES | tokenizer.chat_roles
+    return CHAT_ROLES
+
+
 def prompt_ids_for(tokenizer: TokenizerLike, req: GenerateRequest, context_length: int) -> list[int]:
     """The prompt's token ids: given ids, the encoded ``prompt``, or the ``messages``
     rendered with the chat template (``encode_chat`` when the tokenizer has it, so BOS
-    is handled as the model wants). Raises ``InvalidRequest`` for a template error, an
-    empty result, or a prompt leaving no room in the context for a generated token."""
+    is handled as the model wants). User text (``prompt``, message contents) never becomes a
+    control token unless ``req.parse_special_tokens``: a ``Tokenizer`` is asked to split
+    special-token strings in it (the template's own markup stays special); another
+    ``TokenizerLike``'s ``encode`` must parse none. Raises ``InvalidRequest`` for a template
+    error, an empty result, or a prompt leaving no room in the context for a generated token."""
+    split = not req.parse_special_tokens
     if req.prompt_ids is not None:
         ids = list(req.prompt_ids)
     elif req.prompt is not None:
-        ids = [int(t) for t in tokenizer.encode(req.prompt)]
+        if isinstance(tokenizer, Tokenizer):
+            ids = tokenizer.encode(req.prompt, split_special_tokens=split)
+        else:
+            ids = [int(t) for t in tokenizer.encode(req.prompt)]
     else:
         assert req.messages is not None
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             encode_chat = getattr(tokenizer, "encode_chat", None)
-            if callable(encode_chat):
+            if isinstance(tokenizer, Tokenizer):
+                ids = tokenizer.encode_chat(messages, split_special_tokens=split)
+            elif callable(encode_chat):
                 ids = [int(t) for t in encode_chat(messages)]
             else:
                 ids = [int(t) for t in tokenizer.encode(tokenizer.apply_chat_template(messages))]

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from treeserve.ops.formats import FORMAT_NAMES
+from treeserve.ops.format_names import FORMAT_NAMES
 
 T = TypeVar("T")
 

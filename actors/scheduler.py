@@ -37,6 +37,7 @@ from treeserve.actors.messages_length import LengthReport, PredictBody, PredictR
 from treeserve.actors.messages_speculator import RequestRelease, StartBody
 from treeserve.actors.messages_verifier import PrefillRow, StepRow
 from treeserve.actors.scheduler_core import RequestState, SchedulerCore, prefill_chunks
+from treeserve.actors.scheduler_observer import SchedulerObserver, StepSample
 from treeserve.actors.scheduler_types import (
     Admission,
     Event,
@@ -73,7 +74,8 @@ class SchedulerActor(Actor):
     predictor, or when it fails, the policy assumes ``max_tokens``), and every ended request is
     reported to it so it can learn online. ``generate`` streams ``{"token_ids": [...]}`` items
     and a last item with ``"done": true`` and the request's statistics; cancelling the stream
-    removes the request and frees its KV row. ``clock`` is injectable for tests.
+    removes the request and frees its KV row. ``clock`` is injectable for tests. ``observer``
+    (optional) is told every step and every finished request (``scheduler_observer.py``: metrics).
     """
 
     max_concurrency = 65536
@@ -87,6 +89,7 @@ class SchedulerActor(Actor):
         predictor: ActorRef | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        observer: SchedulerObserver | None = None,
     ) -> None:
         if not verifiers:
             raise ValueError("the scheduler needs at least one verifier shard")
@@ -95,6 +98,7 @@ class SchedulerActor(Actor):
         self.speculators = list(speculators)
         self.predictor = predictor if config.uses_predictions else None
         self.clock = clock
+        self.observer = observer
         self.core = SchedulerCore(config, num_speculators=len(self.speculators))
         self._outboxes: dict[str, Outbox] = {}
         self._wake = asyncio.Event()
@@ -264,8 +268,20 @@ class SchedulerActor(Actor):
         verified = time.perf_counter()
         replies = StepReplies(trees, tuple(verdicts), propose_s=proposed - started, verify_s=verified - proposed)
         ended = self.core.apply(plan, replies, self.clock())
+        if self.observer is not None:
+            self._observe(self.observer.on_step, StepSample(
+                replies.propose_s + replies.verify_s,
+                tuple(len(v.accepted) for v in verdicts if v.error is None),
+                sum(len(e.token_ids) for e in ended.events if isinstance(e, TokensOut))))
         await self._deliver(ended.events)
         await self._release(ended.releases)
+
+    def _observe(self, call: Callable[[Any], None], what: Any) -> None:
+        """Tell the observer; its faults are its own (logged), never a step's."""
+        try:
+            call(what)
+        except Exception:  # noqa: BLE001 - monitoring must not end requests
+            log.exception("the scheduler's observer failed")
 
     async def _propose(self, plan: StepPlan) -> tuple[TokenTree, ...]:
         """One token tree per plan row: ask the speculators concurrently, let the core merge."""
@@ -292,6 +308,8 @@ class SchedulerActor(Actor):
                 item = {"token_ids": list(event.token_ids)}
             elif isinstance(event, RequestFinished):
                 item = {"token_ids": [], "done": True, **event.summary}
+                if self.observer is not None:
+                    self._observe(self.observer.on_finished, event.summary)
             else:
                 item = event.error
             outbox = self._outboxes.get(event.request_id)

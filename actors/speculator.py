@@ -43,9 +43,12 @@ config order. ``capacity`` bounds each request's drafter KV cache (default: the 
 * ``release {"request_id"}`` -> None (idempotent).
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a
-constant, so drafts never reuse the verifier's random stream (which would correlate proposals
-with acceptance tests and break losslessness). Drafting runs request by request (each
-:class:`~treeserve.ops.drafting.ModelSpeculator` has its own batch-1 cache), in a worker thread.
+constant. An unseeded request's verifier draws from a stream of its own (drafts that reused it
+would correlate proposals with acceptance tests and break losslessness); a seeded request's
+verifier uses keyed randomness (:class:`~treeserve.ops.sampling.SampleKey`), on which the
+drafts have no influence at all: they change how many tokens a step accepts, never which.
+Drafting runs request by request (each :class:`~treeserve.ops.drafting.ModelSpeculator` has
+its own batch-1 cache), in a worker thread.
 """
 
 from __future__ import annotations

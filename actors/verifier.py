@@ -18,13 +18,20 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   NaN into the row's next request).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
+Randomness: a seeded request's tokens are keyed by ``(seed, sequence position)``
+(:class:`~treeserve.ops.sampling.SampleKey`, placed by ``verify_rows`` at the row's committed
+length + 1) and verified by :func:`~treeserve.ops.verify.verify_keyed`, so its text depends on
+the seed and the LLM's logits only, never on the trees, the other rows or earlier requests; no
+generator is kept for it. An unseeded request draws from a ``torch.Generator`` stream of its
+own (multi-step speculative sampling, which accepts more drafts).
+
 Group calls: a ``prefill`` or ``step`` body with ``"rank0_answers": true`` (sent by
 :class:`~treeserve.actors.verifier_group.VerifierGroup` to more than one shard) is answered in
 full by rank 0 alone; ranks >= 1 run the same forwards and commits, skip collecting hidden
 states and answer ``None``, since their rows would be thrown away. Without it every rank answers.
 
-Rank agreement: only rank 0 verifies (it holds the per-request ``torch.Generator``, seeded from
-``params.seed`` on first use); it broadcasts each row's decision (accepted path and bonus token)
+Rank agreement: only rank 0 verifies (it holds the unseeded requests' ``torch.Generator``s,
+created on first use); it broadcasts each row's decision (accepted path and bonus token)
 over the process group before any rank commits, so every rank commits identical paths even if
 float summation differed between ranks. A verification failure is broadcast too, so all ranks
 raise and roll back together. Bad input raises ``ValueError`` before any collective runs.
@@ -70,7 +77,7 @@ from treeserve.ops.formats import AUTO_FORMAT
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.loaders.load import load_model, prepare_for_serving
 from treeserve.ops.model import Transformer
-from treeserve.ops.sampling import SamplingParams, make_generator
+from treeserve.ops.sampling import Randomness, SamplingParams, make_generator
 from treeserve.ops.token_tree import TokenTree
 from treeserve.ops.verify import VerificationError, VerifyFn, VerifyResult, verify
 from treeserve.runtime import Actor, handler
@@ -170,7 +177,7 @@ class VerifierShard(Actor):
         # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
         weight_format = "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
         model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir,
-                                    background=cfg.compile_in_background)
+                                    compile_decode=cfg.compile_decode, background=cfg.compile_in_background)
         self._model = model
         self._cache = model.new_cache(cfg.num_rows, capacity)
 
@@ -268,7 +275,9 @@ class VerifierShard(Actor):
         return row
 
     def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.is_greedy or self.config.tp_rank != 0:
+        """The stream of an unseeded sampled request on rank 0 (None otherwise: greedy and seeded
+        requests draw nothing from a stream, and ranks >= 1 do not verify)."""
+        if params.is_greedy or params.seed is not None or self.config.tp_rank != 0:
             return None
         generator = self._generators.get(request_id)
         if generator is None:
@@ -301,11 +310,11 @@ def row_checked_verifier(inner: VerifyFn) -> VerifyFn:
     :class:`RowVerificationFailed`, so they stay the failure of one row. On tensor-parallel
     ranks it runs inside rank 0's verifier, whose decision (failure included) is broadcast."""
 
-    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> VerifyResult:
+    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, randomness: Randomness) -> VerifyResult:
         if not bool(torch.isfinite(logits).all()):
             raise RowVerificationFailed("numerical failure: the model's logits for this request are not finite")
         try:
-            return inner(tree, logits, params, generator)
+            return inner(tree, logits, params, randomness)
         except RuntimeError as exc:
             raise RowVerificationFailed(f"numerical failure: {exc}") from exc
 
@@ -323,9 +332,9 @@ class _RowGuard:
         self._row_of = {id(step.tree): step.row for step in steps}
 
     def __call__(self, tree: TokenTree, logits: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> VerifyResult:
+                 randomness: Randomness) -> VerifyResult:
         try:
-            return self._inner(tree, logits, params, generator)
+            return self._inner(tree, logits, params, randomness)
         except RowVerificationFailed as exc:
             row = self._row_of[id(tree)]
             _log.warning("verifier row %d failed: %s", row, exc)
@@ -345,12 +354,12 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
     """
     import torch.distributed as dist
 
-    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> VerifyResult:
+    def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, randomness: Randomness) -> VerifyResult:
         decision = torch.zeros(tree.num_nodes + 2, dtype=torch.long)
         failure: Exception | None = None
         if rank == 0:
             try:
-                result = inner(tree, logits, params, generator)
+                result = inner(tree, logits, params, randomness)
                 decision[0] = len(result.accepted)
                 decision[1] = result.bonus_token
                 decision[2 : 2 + len(result.accepted)] = torch.tensor(result.accepted, dtype=torch.long)

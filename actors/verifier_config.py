@@ -23,6 +23,9 @@ class VerifierConfig:
     ``compile_in_background``: a decode step that must be compiled first (minutes) compiles
     while the shard serves eagerly (a long-lived server); otherwise before it serves (a
     short-lived process would be gone before a background compile is saved).
+    ``compile_decode`` False: no compiled decode step at all; every step runs eagerly (the same
+    kernels, op by op). Loading a saved step takes seconds, so a process that generates a few
+    hundred tokens and exits is done sooner without it (``treeserve generate``).
     """
 
     model: str
@@ -37,6 +40,7 @@ class VerifierConfig:
     dist_timeout_s: float = 120.0
     num_threads: int | None = None
     compile_in_background: bool = False
+    compile_decode: bool = True
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -58,8 +62,9 @@ class VerifierConfig:
             raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
         if self.num_threads is not None:
             check_int(self.num_threads, "num_threads", minimum=1)
-        if not isinstance(self.compile_in_background, bool):
-            raise ValueError(f"compile_in_background must be a boolean, got {self.compile_in_background!r}")
+        for name in ("compile_in_background", "compile_decode"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     @classmethod
     def from_wire(cls, config: Any) -> VerifierConfig:

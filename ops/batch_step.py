@@ -10,7 +10,9 @@ A verifier serving many requests keeps one KV cache with a row per request. Two 
 * :func:`verify_rows` scores the token trees of several rows in one batched forward (trees
   padded with :func:`~treeserve.ops.token_tree.pack_trees`: pad nodes see only themselves and
   the committed prefix, no real node sees a pad), verifies each row with its own sampling
-  params and generator, and commits each row's accepted path.
+  params and randomness (a seeded row's :class:`~treeserve.ops.sampling.SampleKey` is placed
+  at the row's committed length + 1, the position its root's logits predict; an unseeded row
+  draws from its generator), and commits each row's accepted path.
 
 Only the participating rows run: the forward uses a zero-copy *row-block view* of the cache
 (rows ``[start, stop)`` as one smaller cache sharing the storage). Rows inside a block that do
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from treeserve.ops.kv_cache import CacheCapacityError, KVCache
 from treeserve.ops.model import Transformer
-from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.sampling import SamplingParams, randomness_for
 from treeserve.ops.token_tree import PackedTrees, TokenTree, pack_trees
 from treeserve.ops.verify import VerifyFn, VerifyResult, verify
 
@@ -48,7 +50,9 @@ Packer = Callable[[Sequence[TokenTree], Sequence[int], int], PackedTrees]
 class RowStep:
     """One request's part of a batched verify step: its cache ``row``, its token ``tree``
     (node 0 = the request's last emitted token, not yet cached), its sampling ``params`` and
-    the CPU ``generator`` stochastic verification draws from (None for greedy)."""
+    the CPU ``generator`` stochastic verification of an unseeded request draws from (None for
+    greedy; unused for a seeded request, whose randomness is keyed by position:
+    :func:`~treeserve.ops.sampling.randomness_for`)."""
 
     row: int
     tree: TokenTree
@@ -189,10 +193,12 @@ def verify_rows(
 
     Returns one :class:`VerifyResult` per step, in ``steps`` order. Each row's tree is scored
     against that row's committed prefix (positions = length + depth), verified by ``verifier``
-    with the step's params and generator, and ``cache.commit(row, accepted)`` keeps exactly the
-    accepted path. The step is atomic for the cache: inputs are validated before any forward
-    (``ValueError``/``IndexError``: duplicate or bad rows, token ids outside the vocabulary, a
-    tree that does not fit its row), and if a verifier raises, no row advances.
+    with the step's params and randomness (``randomness_for(params, length + 1, generator)``:
+    the root's logits predict sequence position ``length + 1``), and
+    ``cache.commit(row, accepted)`` keeps exactly the accepted path. The step is atomic for the
+    cache: inputs are validated before any forward (``ValueError``/``IndexError``: duplicate or
+    bad rows, token ids outside the vocabulary, a tree that does not fit its row), and if a
+    verifier raises, no row advances.
     (:func:`verify_rows_with_states` also returns the accepted nodes' hidden states.)
     """
     return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, want_states=False)[0]
@@ -255,7 +261,8 @@ def _verify_rows(
                 real = by_row.get(row)
                 if real is not None:
                     n = real.tree.num_nodes
-                    results[row] = verifier(real.tree, logits[offset, :n], real.params, real.generator)
+                    randomness = randomness_for(real.params, lengths[row] + 1, real.generator)
+                    results[row] = verifier(real.tree, logits[offset, :n], real.params, randomness)
                     if want_states:
                         states[row] = hidden[offset, torch.tensor(results[row].accepted, device=device)]
     except BaseException:

@@ -17,6 +17,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from treeserve.ops.expansion import DEFAULT_EXPANSION as DEFAULT_EXPANSION  # re-exported: the configs live there
+from treeserve.ops.expansion import validate_expansion as validate_expansion
+from treeserve.ops.expansion import worst_case_num_nodes as worst_case_num_nodes
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
@@ -50,9 +53,6 @@ class Speculator(Protocol):
     def accept(self, new_tokens: Sequence[int]) -> None: ...
 
 
-DEFAULT_EXPANSION: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
-"""SpecInfer's expansion config: a chain that branches into 3 at the third step (20 drafts + root)."""
-
 NextLogitsFn = Callable[[list[int], list[int], list[int]], Tensor]
 """``(parents, tokens, frontier) -> logits (F, V)``: the drafter's next-token logits at each
 frontier node of the partial tree given by ``parents``/``tokens`` (root first)."""
@@ -84,24 +84,6 @@ def split_node_budget(max_nodes: int, num_speculators: int) -> list[int]:
         return []
     drafts, extra = divmod(max(max_nodes - 1, 0), num_speculators)
     return [1 + drafts + (1 if index < extra else 0) for index in range(num_speculators)]
-
-
-def validate_expansion(expansion: Sequence[int]) -> tuple[int, ...]:
-    """Check an expansion config (e.g. ``(1, 1, 3, 1, 1)``) and return it as a tuple."""
-    config = tuple(expansion)
-    if not config or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in config):
-        raise ValueError(f"an expansion config is a non-empty sequence of integers >= 1, got {expansion!r}")
-    return config
-
-
-def worst_case_num_nodes(expansion: Sequence[int]) -> list[int]:
-    """Most nodes (root included) a tree can have after each expansion step: entry ``d`` bounds
-    the nodes of depth <= ``d`` (no two draws equal), so ``[1, k0 + 1, k0 + k0*k1 + 1, ...]``."""
-    sizes, width = [1], 1
-    for k in expansion:
-        width *= k
-        sizes.append(sizes[-1] + width)
-    return sizes
 
 
 def expand_token_tree(

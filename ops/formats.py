@@ -37,7 +37,6 @@ refuse with :class:`FormatUnsupportedError`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -46,6 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from treeserve.ops.format_names import AUTO_FORMAT as AUTO_FORMAT  # re-exported: formats' names live there
+from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
+from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
+from treeserve.ops.format_names import WeightFormat as WeightFormat
 from treeserve.ops.kernels import q4_amx
 from treeserve.ops.model import Block, ModelConfig, Transformer
 
@@ -58,42 +61,6 @@ INT4_INNER_K_TILES = 8
 
 class FormatUnsupportedError(ValueError):
     """The weight format cannot run on this device or for this model's shapes."""
-
-
-class WeightFormat(enum.Enum):
-    """How the weights of a served model are stored; the value is the user-facing name."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    INT8 = "int8"
-    Q4_1 = "q4_1"
-
-    @property
-    def activation_dtype(self) -> torch.dtype:
-        """The dtype of activations, KV cache and embeddings under this format."""
-        return torch.float32 if self is WeightFormat.FLOAT32 else torch.bfloat16
-
-    @classmethod
-    def parse(cls, name: str | WeightFormat) -> WeightFormat:
-        """The format called ``name``; ``ValueError`` lists the known names otherwise."""
-        if isinstance(name, WeightFormat):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown weight format {name!r}; known: {', '.join(f.value for f in cls)}") from None
-
-
-AUTO_FORMAT = "auto"
-"""Names :data:`DEFAULT_FORMAT` where the model's shapes allow it, else bfloat16 (see
-:func:`resolve_format`); what ``serve`` and ``generate`` use unless told otherwise."""
-
-DEFAULT_FORMAT = WeightFormat.Q4_1
-"""The fastest format whose greedy output agrees with float32 on at least 90% of tokens
-(``bench/forward.py`` measures both; the figures are in ``bench/RESULTS.md``)."""
-
-FORMAT_NAMES: tuple[str, ...] = (AUTO_FORMAT, *(f.value for f in WeightFormat))
-"""The user-facing names, in the order the CLI lists them."""
 
 
 def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None) -> WeightFormat:
@@ -211,8 +178,11 @@ class Int8Linear(nn.Module):
 
     def __init__(self, buffers: Mapping[str, Tensor], bias: Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("codes", buffers["codes"])
-        self.register_buffer("scale", buffers["scale"])
+        # ``_weight_int8pack_mm`` crashed (a segmentation fault, the tiny test model's shapes) on
+        # codes read back from a saved format, which safetensors places at 8-byte offsets of
+        # its file: such tensors are copied to an allocation of their own (64-byte aligned).
+        self.register_buffer("codes", _own_aligned(buffers["codes"]))
+        self.register_buffer("scale", _own_aligned(buffers["scale"]))
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -224,6 +194,13 @@ class Int8Linear(nn.Module):
     @property
     def num_weight_bytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * self.scale.element_size()
+
+
+def _own_aligned(tensor: Tensor) -> Tensor:
+    """``tensor``, or a copy of it where it is a view into a larger storage or not 64-byte aligned."""
+    if tensor.storage_offset() == 0 and tensor.data_ptr() % 64 == 0 and tensor.is_contiguous():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def int8_buffers(weight: Tensor) -> dict[str, Tensor]:

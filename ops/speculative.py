@@ -1,6 +1,8 @@
 """In-process generation loops for one request: plain incremental decoding and tree speculation.
 
-Both loops obey the same stopping rule, so in greedy float32 they return the same tokens:
+Both loops obey the same stopping rule, so in greedy float32 they return the same tokens (and
+for a seeded request, whose tokens are keyed by position, the same tokens whenever the LLM's
+logits agree; see :class:`~treeserve.ops.sampling.SampleKey`):
 generation ends right after a token in ``params.stop_token_ids`` (kept in the output) or when
 ``params.max_new_tokens`` tokens exist. The speculative loop verifies one token tree per step
 with one LLM forward (tree mask + depth positions), commits the accepted path in the LLM's
@@ -22,7 +24,7 @@ from torch import Tensor
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
-from treeserve.ops.sampling import SamplingParams, make_generator, sample_token
+from treeserve.ops.sampling import SamplingParams, make_generator, randomness_for, sample_token
 from treeserve.ops.token_tree import TokenTree, merge_trees, pack_trees
 from treeserve.ops.verify import VerifyFn, verify
 
@@ -127,7 +129,9 @@ def generate_incremental(
 ) -> GenerationResult:
     """Plain autoregressive decoding, one LLM forward per token (the losslessness reference).
 
-    ``generator`` (CPU) defaults to one seeded from ``params.seed``.
+    A seeded request samples the token of sequence position ``n`` with the key
+    ``(params.seed, n)`` (``generator`` is then unused); an unseeded one draws from
+    ``generator`` (CPU; default: a fresh random one).
     """
     prompt = _check_prompt(model, prompt_ids, params)
     if generator is None and not params.is_greedy:
@@ -141,7 +145,8 @@ def generate_incremental(
             logits = _logits(model, torch.tensor([feed], device=model.device), cache, logits_to_keep=1)  # (1, 1, V)
             cache.commit(0, range(len(feed)))
             num_steps += 1
-            token = sample_token(logits[0, -1].cpu(), params, generator)
+            position = len(prompt) + len(emitted)  # the sequence position this token takes
+            token = sample_token(logits[0, -1].cpu(), params, randomness_for(params, position, generator))
             _, finish = emit_until_done(emitted, [token], params)
             if finish is not None:
                 return GenerationResult(emitted, num_steps, finish)
@@ -176,9 +181,11 @@ def generate_speculative(
     The LLM prefills ``prompt[:-1]``; each step the speculators draft trees rooted at the last
     token within the depth still useful and a share of ``max_tree_nodes`` (and of the cache
     room), the trees are merged (``mode``) and, after one LLM forward, verified by ``verifier``
-    (default: greedy or multi-step speculative sampling by ``params``; tests inject wrong
-    ones); the accepted path is committed and the emitted tokens (accepted drafts + bonus) go
-    to the speculators.
+    (default: greedy, keyed for a seeded request, else multi-step speculative sampling from
+    ``generator``; tests inject wrong ones); the accepted path is committed and the emitted
+    tokens (accepted drafts + bonus) go to the speculators. The speculators draft from
+    ``generator`` (default: one seeded from ``params.seed``); a seeded request's output does not
+    depend on it, and equals :func:`generate_incremental`'s whenever the logits agree.
     With no speculators every step verifies a root-only tree (incremental decoding).
     Speculators with ``uses_features = True`` (e.g. :class:`~treeserve.ops.feature_drafter.FeatureSpeculator`)
     also get the LLM's final hidden states of every token it has processed, in order: the
@@ -222,7 +229,7 @@ def generate_speculative(
                 logits, hidden = _logits_and_hidden(model, packed.tokens.to(device), cache, **kwargs)  # (1, T, V)
             else:
                 logits = _logits(model, packed.tokens.to(device), cache, **kwargs)  # (1, T, V)
-            result = verifier(tree, logits[0], params, generator)
+            result = verifier(tree, logits[0], params, randomness_for(params, length + 1, generator))
             accepted_per_step.append(result.num_accepted_drafts)
             new_tokens = result.new_tokens(tree)
             _, finish = emit_until_done(emitted, new_tokens, params)

@@ -8,6 +8,7 @@ without ever emitting half of a multi-byte character.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +27,13 @@ _QWEN2_PATTERN = (
 # Special tokens that end a turn in common chat formats; added to stop_ids when present.
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 _SPECIAL_TOKEN_TYPES = (3, 4)  # llama.cpp: CONTROL and USER_DEFINED
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+# Roles a chat template names in a comparison: m['role'] == 'tool', message.role != "ipython",
+# m['role'] in ['tool', 'developer'].
+_ROLE_COMPARED = re.compile(r"""role['"]?\]?\s*(?:==|!=)\s*['"]([A-Za-z_][\w-]*)['"]""")
+_ROLE_LISTED = re.compile(r"""role['"]?\]?\s*(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")
+_QUOTED_NAME = re.compile(r"""['"]([A-Za-z_][\w-]*)['"]""")
+_PRIVATE_USE = range(0xE000, 0xF900)  # marker characters for escaped special-token text
 
 
 class TokenizerError(ValueError):
@@ -56,7 +64,10 @@ class Tokenizer:
 
     ``bos_id``/``eos_id`` may be None when the model has none; ``stop_ids`` are the token ids
     that end a generation (EOS plus turn-end specials present in the vocabulary).
-    ``encode`` prepends BOS only when the model asks for it (``add_bos``).
+    ``encode`` prepends BOS only when the model asks for it (``add_bos``). With
+    ``split_special_tokens``, ``encode`` and ``encode_chat`` tokenize special-token strings
+    found in the text (in chat messages: their contents) as plain text, so user text can
+    never become a control token; a chat template's own markup stays special.
     """
 
     def __init__(
@@ -81,6 +92,21 @@ class Tokenizer:
             if token_id is not None:
                 stops.add(token_id)
         self.stop_ids: frozenset[int] = frozenset(stops)
+        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special),
+                          key=lambda t: (-len(t), t))  # longest first: a regex alternation takes the first
+        self.special_tokens: tuple[str, ...] = tuple(specials)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain: BackendTokenizer | None = None
+
+    @property
+    def _plain_backend(self) -> BackendTokenizer:
+        """The same tokenizer with special-token matching off, for text that must stay text;
+        built on first use (a copy takes 0.1-0.2 s, and a verifier process never encodes)."""
+        if self._plain is None:
+            plain = BackendTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -184,12 +210,24 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text`` (special-token strings in it map to their ids).
+    @property
+    def chat_roles(self) -> frozenset[str]:
+        """The roles a chat may use: system, user and assistant, plus any role the chat
+        template compares a message's role with (``m['role'] == 'tool'``, ``... in [...]``)."""
+        template = self.chat_template or ""
+        named = set(_ROLE_COMPARED.findall(template))
+        for listed in _ROLE_LISTED.findall(template):
+            named.update(_QUOTED_NAME.findall(listed))
+        return CHAT_ROLES | frozenset(named)
+
+    def encode(self, text: str, *, add_bos: bool | None = None, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token strings in it map to their ids, or, with
+        ``split_special_tokens``, are tokenized as the plain text they are.
 
         BOS is prepended when ``add_bos`` is True, or when it is None and the model asks for it.
         """
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        backend = self._plain_backend if split_special_tokens else self.backend
+        ids = list(backend.encode(text, add_special_tokens=False).ids)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
@@ -222,13 +260,58 @@ class Tokenizer:
             eos_token=self.backend.id_to_token(self.eos_id) if self.eos_id is not None else "",
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat prompt (BOS added only if the template lacks it)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        ids = self.encode(text, add_bos=False)
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+        split_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt (BOS added only if the template lacks it).
+
+        With ``split_special_tokens``, special-token strings inside the messages' values stay
+        text: each is replaced by a marker the template passes through unchanged (a private-use
+        character absent from the input, around the token's index), the template is rendered,
+        the result is split at the special tokens the template wrote, and every other piece is
+        tokenized with the markers turned back into their text, special-token matching off.
+        Without such strings the ids are exactly those of the plain path."""
+        if not split_special_tokens or self._special_re is None:
+            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
+                              add_bos=False)
+        else:
+            ids = self._encode_chat_split(messages, add_generation_prompt)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
+
+    def _encode_chat_split(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
+        special_re = self._special_re
+        assert special_re is not None  # checked by the caller
+        texts = [v for m in messages for v in m.values() if isinstance(v, str)] + [self.chat_template or ""]
+        marker = next((chr(c) for c in _PRIVATE_USE if not any(chr(c) in t for t in texts)), None)
+        if marker is None:  # every private-use character is in the input: nothing can be escaped
+            raise TokenizerError("cannot keep special-token text apart in these messages")
+        index = {token: i for i, token in enumerate(self.special_tokens)}
+
+        def escape(text: str) -> str:
+            return special_re.sub(lambda m: f"{marker}{index[m.group()]}{marker}", text)
+
+        unescape_re = re.compile(f"{re.escape(marker)}(\\d+){re.escape(marker)}")
+        escaped = [{k: escape(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        position = 0
+        for match in special_re.finditer(rendered):  # the template's own markup
+            ids += self._encode_plain(unescape_re, rendered[position:match.start()])
+            token_id = self.backend.token_to_id(match.group())
+            assert token_id is not None  # a special token of this vocabulary
+            ids.append(token_id)
+            position = match.end()
+        ids += self._encode_plain(unescape_re, rendered[position:])
+        return ids
+
+    def _encode_plain(self, unescape_re: re.Pattern[str], piece: str) -> list[int]:
+        if not piece:
+            return []
+        text = unescape_re.sub(lambda m: self.special_tokens[int(m.group(1))], piece)
+        return list(self._plain_backend.encode(text, add_special_tokens=False).ids)
 
 
 class IncrementalDetokenizer:

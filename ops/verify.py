@@ -1,10 +1,20 @@
-"""Token tree verification: greedy, and SpecInfer's multi-step speculative sampling (MSS).
+"""Token tree verification: greedy, keyed (seeded requests), and SpecInfer's multi-step
+speculative sampling (MSS, unseeded requests).
 
-Both verifiers take one row's token tree and the LLM's logits for its nodes ``(T, V)`` (logits
-of node ``i`` = the LLM's next-token prediction after the path root..i) and return the
+Every verifier takes one row's token tree and the LLM's logits for its nodes ``(T, V)`` (logits
+of node ``i`` = the LLM's next-token prediction after the path root..i) and returns the
 accepted path plus one bonus token, so every step emits ``len(accepted) - 1 + 1`` new tokens.
 A batched verifier calls them per row. Stochastic verification runs on the CPU: the logits
-are moved there once and the ``generator`` must be a CPU generator.
+are moved there, and a ``generator`` must be a CPU generator.
+
+Greedy and keyed verification share one rule: each node has a *target*, the token plain
+decoding would emit there (the argmax, or the keyed sample of
+:func:`~treeserve.ops.sampling.sample_keyed` for the node's position), and the accepted path
+follows children whose token is their parent's target. So their output is, token for token,
+what decoding without speculation emits from the same logits, whatever the tree holds. MSS
+accepts more drafts (a proposal ``x`` from ``q`` passes w.p. ``min(1, p(x)/q(x))``, against
+``p(x)`` for a fixed target) but what it emits depends on the tree, which is why seeded
+requests are verified by key.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treeserve.ops.sampling import SamplingParams, logits_to_probs
+from treeserve.ops.sampling import Randomness, SampleKey, SamplingParams, logits_to_probs, sample_keyed
 from treeserve.ops.token_tree import TokenTree
 
 
@@ -45,8 +55,26 @@ class VerifyResult:
         return [int(tree.tokens[i]) for i in self.accepted[1:]] + [self.bonus_token]
 
 
-VerifyFn = Callable[[TokenTree, Tensor, SamplingParams, torch.Generator | None], VerifyResult]
-"""Signature of a verifier: ``(tree, logits (T, V), params, generator) -> VerifyResult``."""
+VerifyFn = Callable[[TokenTree, Tensor, SamplingParams, Randomness], VerifyResult]
+"""Signature of a verifier: ``(tree, logits (T, V), params, randomness) -> VerifyResult``;
+``randomness`` is a :class:`~treeserve.ops.sampling.SampleKey` placed at the position the
+root's logits predict, a CPU ``torch.Generator``, or None (greedy)."""
+
+
+def _follow_targets(tree: TokenTree, target_at: Callable[[int, int], int]) -> VerifyResult:
+    """From the root, follow the child whose token is ``target_at(node, depth)``; the target of
+    the last node reached is the bonus token. Targets are asked for the path's nodes only."""
+    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if parent >= 0:
+            children[parent].setdefault(token, node)  # first child wins for duplicate tokens
+    accepted = [0]
+    while True:
+        target = target_at(accepted[-1], len(accepted) - 1)
+        child = children[accepted[-1]].get(target)
+        if child is None:
+            return VerifyResult(accepted, target)
+        accepted.append(child)
 
 
 def verify_greedy(tree: TokenTree, logits: Tensor) -> VerifyResult:
@@ -58,14 +86,47 @@ def verify_greedy(tree: TokenTree, logits: Tensor) -> VerifyResult:
     if logits.shape[0] != tree.num_nodes:
         raise ValueError(f"logits have {logits.shape[0]} rows for a tree of {tree.num_nodes} nodes")
     targets = logits.argmax(dim=-1).tolist()  # (T,) one host sync
-    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if parent >= 0:
-            children[parent].setdefault(token, node)  # first child wins for duplicate tokens
-    accepted = [0]
-    while (child := children[accepted[-1]].get(targets[accepted[-1]])) is not None:
-        accepted.append(child)
-    return VerifyResult(accepted, int(targets[accepted[-1]]))
+    return _follow_targets(tree, lambda node, _depth: int(targets[node]))
+
+
+def verify_keyed(tree: TokenTree, logits: Tensor, params: SamplingParams, key: SampleKey) -> VerifyResult:
+    """Keyed verification of a seeded request: lossless, and reproducible from the seed.
+
+    The target of a node at depth ``d`` is ``sample_keyed(p, key.seed, [key.position + d])``,
+    ``p`` the LLM's probabilities there (``logits_to_probs``: temperature, top-k, top-p): the
+    token that decoding without speculation samples for that sequence position. The accepted
+    path follows children equal to their parent's target; the last node's target is the bonus.
+
+    Lossless: the emitted token at each position is a keyed Gumbel-max draw from the LLM's
+    ``p`` there, with noise that is fresh for every position, so the output has exactly the
+    LLM's distribution, whatever the tree holds (drafts, their ``q`` and ``draft_probs``
+    decide nothing; a tree without ``draft_probs`` is fine). Reproducible: the same seed and
+    the same logits along the emitted path give the same tokens, with any tree, in any batch.
+    A draft ``x`` is accepted w.p. ``p(x)`` (below MSS's ``min(1, p(x)/q(x))``).
+    A tree that carries ``draft_probs`` is still checked as MSS checks it (a proposal its ``q``
+    could not draw is a speculator's bug: :class:`VerificationError`).
+    Greedy ``params`` fall back to :func:`verify_greedy`.
+    """
+    if params.is_greedy:
+        return verify_greedy(tree, logits)
+    if logits.shape[0] != tree.num_nodes:
+        raise ValueError(f"logits have {logits.shape[0]} rows for a tree of {tree.num_nodes} nodes")
+    if tree.draft_probs is not None and tree.proposal_children.numel() > 0:
+        proposed = tree.tokens[tree.proposal_children]  # (P,)
+        q_of_proposed = tree.draft_probs[tree.proposal_q_rows, proposed]  # (P,)
+        bad = (q_of_proposed <= 0).nonzero()
+        if bad.numel() > 0:
+            i = int(bad[0, 0])
+            raise VerificationError(
+                f"token {int(proposed[i])} was proposed from a q that gives it probability {float(q_of_proposed[i])}"
+            )
+    cpu_logits = logits.detach().to("cpu")
+
+    def target_at(node: int, depth: int) -> int:
+        probs = logits_to_probs(cpu_logits[node : node + 1], params)  # (1, V)
+        return sample_keyed(probs, key.seed, [key.position + depth])[0]
+
+    return _follow_targets(tree, target_at)
 
 
 def verify_stochastic(
@@ -124,8 +185,12 @@ def verify_stochastic(
         accepted.append(next_node)
 
 
-def verify(tree: TokenTree, logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> VerifyResult:
-    """Greedy verification for greedy ``params``, multi-step speculative sampling otherwise."""
+def verify(tree: TokenTree, logits: Tensor, params: SamplingParams, randomness: Randomness) -> VerifyResult:
+    """Greedy verification for greedy ``params``; keyed verification when ``randomness`` is a
+    :class:`~treeserve.ops.sampling.SampleKey` (seeded requests); multi-step speculative
+    sampling from the ``torch.Generator`` otherwise."""
     if params.is_greedy:
         return verify_greedy(tree, logits)
-    return verify_stochastic(tree, logits, params, generator)
+    if isinstance(randomness, SampleKey):
+        return verify_keyed(tree, logits, params, randomness)
+    return verify_stochastic(tree, logits, params, randomness)

@@ -29,34 +29,83 @@ Design decisions worth knowing:
   (a program entry point) runs ``uvloop.run``.
 """
 
-from treeserve.runtime.actor import Actor, HandlerKind, handler, stream_handler
-from treeserve.runtime.config import (
-    ChildTransport,
-    RestartStrategy,
-    RuntimeConfig,
-    SupervisorConfig,
-)
-from treeserve.runtime.curve import LinkCurve
-from treeserve.runtime.errors import (
-    ActorDeadError,
-    ActorError,
-    CallCancelled,
-    ConnectionLost,
-    DeadlineExceeded,
-    NoSuchActor,
-    NoSuchMethod,
-    OverloadedError,
-    RemoteError,
-    RuntimeClosedError,
-    SupervisorGaveUp,
-)
-from treeserve.runtime.local_supervisor import LocalSupervisor
-from treeserve.runtime.node import Node
-from treeserve.runtime.ref import ActorRef
-from treeserve.runtime.restart import RestartIntensity
-from treeserve.runtime.runtime import Placement, Runtime
-from treeserve.runtime.stats import NodeStats
-from treeserve.runtime.supervisor import ChildSpec, ChildState, Supervisor
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treeserve.runtime.actor import Actor, HandlerKind, handler, stream_handler
+    from treeserve.runtime.config import (
+        ChildTransport,
+        RestartStrategy,
+        RuntimeConfig,
+        SupervisorConfig,
+    )
+    from treeserve.runtime.curve import LinkCurve
+    from treeserve.runtime.errors import (
+        ActorDeadError,
+        ActorError,
+        CallCancelled,
+        ConnectionLost,
+        DeadlineExceeded,
+        NoSuchActor,
+        NoSuchMethod,
+        OverloadedError,
+        RemoteError,
+        RuntimeClosedError,
+        SupervisorGaveUp,
+    )
+    from treeserve.runtime.local_supervisor import LocalSupervisor
+    from treeserve.runtime.node import Node
+    from treeserve.runtime.ref import ActorRef
+    from treeserve.runtime.restart import RestartIntensity
+    from treeserve.runtime.runtime import Placement, Runtime
+    from treeserve.runtime.stats import NodeStats
+    from treeserve.runtime.supervisor import ChildSpec, ChildState, Supervisor
+
+# The names load lazily (PEP 562), so that importing one module of the package (the command
+# line's prestart, :mod:`treeserve.runtime.process`) does not import all of it.
+_LAZY = {
+    "Actor": "treeserve.runtime.actor",
+    "ActorDeadError": "treeserve.runtime.errors",
+    "ActorError": "treeserve.runtime.errors",
+    "ActorRef": "treeserve.runtime.ref",
+    "CallCancelled": "treeserve.runtime.errors",
+    "ChildSpec": "treeserve.runtime.supervisor",
+    "ChildState": "treeserve.runtime.supervisor",
+    "ChildTransport": "treeserve.runtime.config",
+    "ConnectionLost": "treeserve.runtime.errors",
+    "DeadlineExceeded": "treeserve.runtime.errors",
+    "HandlerKind": "treeserve.runtime.actor",
+    "LinkCurve": "treeserve.runtime.curve",
+    "LocalSupervisor": "treeserve.runtime.local_supervisor",
+    "NoSuchActor": "treeserve.runtime.errors",
+    "NoSuchMethod": "treeserve.runtime.errors",
+    "Node": "treeserve.runtime.node",
+    "NodeStats": "treeserve.runtime.stats",
+    "OverloadedError": "treeserve.runtime.errors",
+    "Placement": "treeserve.runtime.runtime",
+    "RemoteError": "treeserve.runtime.errors",
+    "RestartIntensity": "treeserve.runtime.restart",
+    "RestartStrategy": "treeserve.runtime.config",
+    "Runtime": "treeserve.runtime.runtime",
+    "RuntimeClosedError": "treeserve.runtime.errors",
+    "RuntimeConfig": "treeserve.runtime.config",
+    "Supervisor": "treeserve.runtime.supervisor",
+    "SupervisorConfig": "treeserve.runtime.config",
+    "SupervisorGaveUp": "treeserve.runtime.errors",
+    "handler": "treeserve.runtime.actor",
+    "stream_handler": "treeserve.runtime.actor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treeserve.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Actor",

@@ -1,29 +1,49 @@
-"""Entry point of a child process: ``python -m treeserve.runtime.child PARENT_PID``.
+"""Entry point of a child process: ``python -m treeserve.runtime.child PARENT_PID [--prestarted]``.
 
-Reads a ``ChildLaunch`` spec from stdin, hosts the one actor it names on a fresh node
-under uvloop, reports readiness to the parent's runtime, beats heartbeats to it, and
-exits when stdin reaches EOF (the parent closed it, or died) or on SIGTERM. This module
-is a program entry point, so it owns its event loop; library code never does.
+With ``--prestarted`` (:func:`~treeserve.runtime.process.prestart`) it first reads a
+``Warmup`` from stdin, imports the actor's module and runs the warm-up hook, and exits quietly
+if the parent closes stdin before a spec follows. Then it reads a ``ChildLaunch`` spec from
+stdin, hosts the one actor it names on a fresh node under uvloop, reports readiness to the
+parent's runtime, beats heartbeats to it, and exits when stdin reaches EOF (the parent closed
+it, or died) or on SIGTERM. This module is a program entry point, so it owns its event loop;
+library code never does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import os
 import signal
 import sys
 
 from treeserve.runtime.process import (
     ChildLaunch,
+    Warmup,
     decode_args,
     read_launch,
+    read_warmup,
     set_parent_death_signal,
 )
 
 __all__ = ["main"]
 
 _READY_TIMEOUT_S = 10.0
+
+
+def _warm_up(warmup: Warmup) -> None:
+    """Import the actor's module and run the hook. A failure only costs its time: the start
+    that follows imports the actor again and raises what is wrong."""
+    try:
+        importlib.import_module(warmup.actor.partition(":")[0])
+        if not warmup.hook:
+            return
+        module_name, _, name = warmup.hook.partition(":")
+        getattr(importlib.import_module(module_name), name)(**warmup.hook_args)
+    except Exception:
+        logging.getLogger(__name__).warning("warming up %s failed; starting without it", warmup.actor,
+                                            exc_info=True)
 
 
 def _import_actor(path: str) -> type:
@@ -82,12 +102,23 @@ async def _serve(spec: ChildLaunch) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one child; returns the process exit status."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        sys.stderr.write("usage: python -m treeserve.runtime.child PARENT_PID (spec on stdin)\n")
+    prestarted = args[1:] == ["--prestarted"]
+    if not (len(args) == 1 or prestarted) or not args[0].isdigit():
+        sys.stderr.write("usage: python -m treeserve.runtime.child PARENT_PID [--prestarted] (spec on stdin)\n")
         return 2
     # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    spec = read_launch(sys.stdin.buffer)
+    if prestarted:
+        set_parent_death_signal()
+        if os.getppid() != int(args[0]):
+            return 1
+        _warm_up(read_warmup(sys.stdin.buffer))
+        try:
+            spec = read_launch(sys.stdin.buffer)
+        except EOFError:  # never claimed: the parent discarded this child (or died)
+            return 0
+    else:
+        spec = read_launch(sys.stdin.buffer)
     if spec.use_pdeathsig:
         set_parent_death_signal()
     # The parent may have died before prctl took effect: then we were re-parented.

@@ -24,13 +24,19 @@ from treeserve.runtime.stats import InboundStats
 from treeserve.transport.codec import DecodeError, decode, encode
 from treeserve.transport.messages import Cancel, Error, Heartbeat, Message, Request
 from treeserve.transport.sockets import CurveAuthenticator, CurveServerConfig, make_router
-from treeserve.transport.wire import RETRYABLE_CODES, ErrorCode, WireLimits
+from treeserve.transport.wire import RETRYABLE_CODES, ErrorCode, Kind, WireLimits
 
 __all__ = ["Inbound", "Refusal", "bind_router"]
 
 CallT = TypeVar("CallT")
 
 _Key: TypeAlias = tuple[bytes, int]  # (the peer's routing id, its request id)
+
+_ANSWER_KINDS = frozenset({Kind.REPLY.value, Kind.STREAM_ITEM.value, Kind.STREAM_END.value, Kind.ERROR.value})
+"""Kinds that answer a request: a ROUTER never answers them, whatever is wrong with them."""
+
+_NO_ANSWER_ID_KINDS = frozenset({Kind.CANCEL.value, Kind.HEARTBEAT.value})
+"""Kinds that start no request: an error about one never carries an id (it ends nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +56,18 @@ async def bind_router(
     limits: WireLimits,
     curve: CurveServerConfig | None,
     allow_public_bind: bool,
+    handover: bool = False,
 ) -> tuple[zmq.asyncio.Socket, CurveAuthenticator | None]:
     """A ROUTER bound to ``bind`` and, under ``curve``, the running ZAP handler that
     enforces its allow-list (libzmq would admit every client without one). The caller
-    owns both and closes the handler after the socket."""
+    owns both and closes the handler after the socket. ``handover``: see ``make_router``."""
     auth = None
     if curve is not None:
         auth = CurveAuthenticator(ctx)
         auth.start()
     try:
         sock = make_router(ctx, bind, limits=limits, curve=curve, authenticator=auth,
-                           allow_public_bind=allow_public_bind)
+                           allow_public_bind=allow_public_bind, handover=handover)
     except BaseException:
         if auth is not None:
             await auth.aclose()
@@ -73,10 +80,16 @@ class Inbound(Generic[CallT]):
     closes it) and answers on it.
 
     Checks made here, before the service sees a request, in this order: the frames decode
-    under ``limits`` (else an ``error`` with the codec's code, id None when unreadable,
-    counted in ``stats.num_bad_messages``); the peer has no open request with the same id
-    (else ``invalid_request``); the deadline has not passed on arrival (else
-    ``deadline_exceeded``, counted in ``num_late_dropped``).
+    under ``limits`` (else an ``error`` with the codec's code, counted in
+    ``stats.num_bad_messages``); the peer has no open request with the same id (else
+    ``invalid_request``); the deadline has not passed on arrival, ``timeout_ms`` 0 included,
+    whatever the method (else ``deadline_exceeded``, counted in ``num_late_dropped``).
+
+    An ``error`` carries a request id only when it ends that request (``PROTOCOL.md`` 2,
+    "error"): one about a ``cancel`` or ``heartbeat``, about a request reusing an id that is
+    still open, or about a message whose id is unreadable carries id nil, so that it can never
+    be taken for the end of the open request. A message that is itself an answer (``reply``,
+    ``stream_item``, ``stream_end``, ``error``) is never answered, decodable or not.
 
     Then ``admit(peer, request, deadline)`` decides (``deadline`` in ``loop.time()``
     seconds, None: none). It either starts serving the request and returns its call,
@@ -87,7 +100,9 @@ class Inbound(Generic[CallT]):
     the protocol says); a ``heartbeat`` calls ``on_heartbeat``; ``heard_from(peer)`` runs
     for every decodable message (any message is a sign of life). Answers (``reply``,
     ``stream_*``, ``error``) never flow to a ROUTER and are dropped unanswered, so two
-    peers can never loop on each other's errors.
+    peers can never loop on each other's errors. ``on_disconnect()`` (optional) runs when
+    ZeroMQ drops a connection of the socket (which peer it was, ZeroMQ does not say): messages
+    queued to that peer are lost, so a service with open streams checks who it can still reach.
 
     Replies are encoded under ``send_limits`` (default: ``limits``) and sent without
     blocking; ``send_when_ready`` waits while the peer's queue is full (backpressure on a
@@ -105,6 +120,7 @@ class Inbound(Generic[CallT]):
         cancel: Callable[[CallT], None],
         on_heartbeat: Callable[[bytes, Heartbeat], None] | None = None,
         heard_from: Callable[[bytes], None] | None = None,
+        on_disconnect: Callable[[], None] | None = None,
         send_limits: WireLimits | None = None,
         send_retry_s: float = 0.001,
     ) -> None:
@@ -118,6 +134,11 @@ class Inbound(Generic[CallT]):
         self._heard_from = heard_from
         self._calls: dict[_Key, CallT] = {}
         self._loop = asyncio.get_running_loop()
+        self._monitor: SocketPump | None = None
+        self._sock = sock
+        if on_disconnect is not None:
+            self._monitor = SocketPump(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED),
+                                       lambda _frames: on_disconnect(), f"{name} monitor")
         self._pump = SocketPump(sock, self._on_frames, name)
 
     # ------------------------------------------------------------------ open requests
@@ -141,6 +162,10 @@ class Inbound(Generic[CallT]):
 
     def close(self) -> None:
         """Stop receiving and close the socket. Idempotent."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.close()
+            self._sock.disable_monitor()
         self._pump.close()
 
     # ------------------------------------------------------------------ sending
@@ -190,7 +215,14 @@ class Inbound(Generic[CallT]):
             msg = decode(frames[1:], self._limits)
         except DecodeError as exc:
             stats.num_bad_messages += 1
-            err = Error(exc.msg_id, exc.code, exc.message, exc.code in RETRYABLE_CODES)
+            if exc.kind in _ANSWER_KINDS:  # never answer an answer: no error loops
+                stats.num_dropped += 1
+                return
+            ending_id = self._ending_id(peer, exc)
+            text = exc.message
+            if ending_id is None and exc.msg_id is not None:
+                text += f" (about the {exc.kind or 'message'} with id {exc.msg_id}; this error ends no request)"
+            err = Error(ending_id, exc.code, text, exc.code in RETRYABLE_CODES)
             if self.send(peer, err) is not SendOutcome.SENT:
                 stats.num_dropped += 1
             return
@@ -210,11 +242,21 @@ class Inbound(Generic[CallT]):
         else:  # answers belong on DEALER sockets; never answer them (no error loops)
             stats.num_dropped += 1
 
+    def _ending_id(self, peer: bytes, exc: DecodeError) -> int | None:
+        """The id an ``error`` about undecodable message ``exc`` may carry: the message's own,
+        when that error ends a request (a new one, refused); else nil, never a live id."""
+        if exc.msg_id is None or exc.kind in _NO_ANSWER_ID_KINDS or (peer, exc.msg_id) in self._calls:
+            return None
+        return exc.msg_id
+
     def _on_request(self, peer: bytes, req: Request) -> None:
         self.stats.num_requests += 1
         key = (peer, req.id)
         if key in self._calls:
-            self.refuse(peer, req.id, ErrorCode.INVALID_REQUEST, f"request id {req.id} is already in use")
+            # Id nil: this error ends nothing; the open request with this id goes on.
+            self.refuse(peer, None, ErrorCode.INVALID_REQUEST,
+                        f"request id {req.id} is already in use by an open request of yours; this request "
+                        "was not run (the open one goes on)")
             return
         deadline = None
         if req.timeout_ms is not None:

@@ -4,6 +4,7 @@ calls, and the Python client's calls to the gateway)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -52,20 +53,23 @@ _HANDSHAKE_FAILED = (
 )
 _HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+_CONNECT_RECHECK_S = 0.25  # a wait for a connection looks again this often (it may be replaced)
 
 
 class _Connection:
     """Our DEALER to one node plus a monitor of its handshakes and disconnections.
     ``is_refused`` is True from a failed handshake to the next successful one: the
-    disconnect that follows a refusal is no lost connection (nothing was ever delivered)."""
+    disconnect that follows a refusal is no lost connection (nothing was ever delivered).
+    ``is_up`` is set from a successful handshake to the next disconnection."""
 
-    __slots__ = ("is_refused", "monitor", "pump", "socket")
+    __slots__ = ("is_refused", "is_up", "monitor", "pump", "socket")
 
     def __init__(self, socket: zmq.asyncio.Socket, pump: SocketPump, monitor: SocketPump) -> None:
         self.socket = socket
         self.pump = pump
         self.monitor = monitor
         self.is_refused = False
+        self.is_up = asyncio.Event()
 
     def close(self) -> None:
         self.monitor.close()
@@ -170,6 +174,28 @@ class Outbound:
         self._check_open()
         if endpoint not in self._connections:
             self._connect(endpoint)
+
+    async def wait_connected(self, endpoint: str, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until a handshake with ``endpoint`` has succeeded and the
+        connection has not dropped since; True at once when it is up. Connects if needed (and
+        again after libzmq gave up on a refused handshake). Raises ``RuntimeClosedError`` once
+        closed."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + timeout_s
+        while True:
+            self._check_open()
+            conn = self._connections.get(endpoint) or self._connect(endpoint)
+            if conn.is_up.is_set():
+                return True
+            left = give_up_at - loop.time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):  # look again: the connection may be replaced
+                await asyncio.wait_for(conn.is_up.wait(), min(left, _CONNECT_RECHECK_S))
+
+    def refusal(self, endpoint: str) -> str | None:
+        """Why the last handshake with ``endpoint`` failed (None: none failed since it succeeded)."""
+        return self._refused.get(endpoint)
 
     def mark_up(self, endpoint: str) -> None:
         """Allow calls to ``endpoint`` again (after a restart)."""
@@ -287,8 +313,11 @@ class Outbound:
         return True
 
     def _connect(self, endpoint: str) -> _Connection:
-        sock = make_dealer(self._ctx, endpoint, limits=self._limits, curve=self._curve)
-        monitor = sock.get_monitor_socket(_MONITORED)
+        monitors: list[zmq.asyncio.Socket] = []
+        # The monitor must exist before the socket connects, or it can miss the first handshake.
+        sock = make_dealer(self._ctx, endpoint, limits=self._limits, curve=self._curve,
+                           before_connect=lambda s: monitors.append(s.get_monitor_socket(_MONITORED)))
+        [monitor] = monitors
         conn = _Connection(
             sock,
             SocketPump(sock, partial(self._on_frames, endpoint), f"dealer {endpoint}"),
@@ -304,6 +333,7 @@ class Outbound:
             return
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             conn.is_refused = False
+            conn.is_up.set()
             self._refused.pop(endpoint, None)
         elif event & _HANDSHAKE_FAILED:
             conn.is_refused = True
@@ -316,9 +346,11 @@ class Outbound:
                 # libzmq never reconnects after these: start afresh on the next call (after
                 # this callback: the monitor's own pump closes with the connection).
                 asyncio.get_running_loop().call_soon(self._drop_connection, endpoint, conn)
-        elif event == zmq.EVENT_DISCONNECTED and not conn.is_refused:
-            self._stats.num_disconnects += 1
-            self.fail_calls_to(endpoint, ConnectionLost(f"connection to {endpoint} lost"))
+        elif event == zmq.EVENT_DISCONNECTED:
+            conn.is_up.clear()
+            if not conn.is_refused:
+                self._stats.num_disconnects += 1
+                self.fail_calls_to(endpoint, ConnectionLost(f"connection to {endpoint} lost"))
 
     def _drop_connection(self, endpoint: str, conn: _Connection) -> None:
         if self._connections.get(endpoint) is conn:

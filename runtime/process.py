@@ -4,6 +4,14 @@ The launch spec is a msgpack map written to the child's stdin behind a 4-byte le
 nothing is pickled. stdin then stays open as the *death pipe*: when this process dies,
 the kernel closes its end and the child sees EOF and exits. On Linux the child also asks
 for ``PR_SET_PDEATHSIG``/``SIGKILL``, which works even when its loop is hung.
+
+**Prestarted children.** A child's start is mostly imports (torch alone takes about 2 s on
+this project's 2 cores) and loading. :func:`prestart` starts a child before its spec exists,
+so that it imports its actor's module and runs a warm-up hook (a command-line tool prestarts
+its verifier before importing anything heavy itself) while the parent is still starting; the
+next :meth:`ChildProcess.launch` of the same actor class hands its spec to that child instead
+of starting a new one. A prestarted child that is never claimed exits when
+:func:`discard_prestarted` (or this process's exit) closes its death pipe.
 """
 
 from __future__ import annotations
@@ -16,24 +24,28 @@ import signal
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
-from treeserve.runtime.curve import LinkCurve
-from treeserve.transport.codec import decode, encode
-from treeserve.transport.messages import Request
-
+# Nothing heavier at import: the command line imports this module first, to prestart a child
+# before anything else (see "Prestarted children" above).
 if TYPE_CHECKING:
+    from treeserve.runtime.curve import LinkCurve
     from treeserve.runtime.node import Node
 
 __all__ = [
     "ChildLaunch",
     "ChildProcess",
+    "Warmup",
     "decode_args",
+    "discard_prestarted",
     "encode_args",
+    "prestart",
     "read_launch",
+    "read_warmup",
     "set_parent_death_signal",
 ]
 
@@ -101,6 +113,8 @@ def encode_args(args: list[Any]) -> bytes:
     """Encode actor constructor args (msgpack-able values and ``ActorRef``s, no
     tensors) as one wire frame, reusing the message codec's validation."""
     from treeserve.runtime.bodies import body_to_wire
+    from treeserve.transport.codec import encode
+    from treeserve.transport.messages import Request
 
     frames = encode(Request(0, "", "__init__", body_to_wire(list(args))))
     if len(frames) != 1:
@@ -111,6 +125,8 @@ def encode_args(args: list[Any]) -> bytes:
 def decode_args(data: bytes, node: Node) -> list[Any]:
     """Inverse of ``encode_args`` in the child, with refs bound to ``node``."""
     from treeserve.runtime.bodies import body_from_wire
+    from treeserve.transport.codec import decode
+    from treeserve.transport.messages import Request
 
     msg = decode([data])
     if not isinstance(msg, Request) or not isinstance(msg.body, list):
@@ -119,18 +135,56 @@ def decode_args(data: bytes, node: Node) -> list[Any]:
     return result
 
 
-def read_launch(stream: BinaryIO) -> ChildLaunch:
-    """Read the spec written by ``ChildProcess.launch`` (child side)."""
+@dataclass(frozen=True, slots=True)
+class Warmup:
+    """What a prestarted child does before its spec arrives: import ``actor``'s module
+    (``"pkg.module:Class"``), then call ``hook`` (``"pkg.module:function"``, or empty) with
+    the msgpack-able keyword arguments ``hook_args``. The hook only prepares: a failure is
+    logged and the child starts as usual, and what the hook did must be redone by the actor
+    when it does not match (it caches, it does not configure)."""
+
+    actor: str
+    hook: str = ""
+    hook_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        """The length-prefixed msgpack form written to a prestarted child's stdin, before its spec."""
+        payload = msgpack.packb({"actor": self.actor, "hook": self.hook, "hook_args": dict(self.hook_args)},
+                                use_bin_type=True)
+        assert isinstance(payload, bytes)
+        if len(payload) > _MAX_SPEC_BYTES:
+            raise ValueError(f"warm-up spec is {len(payload)} bytes > {_MAX_SPEC_BYTES}")
+        return _LEN.pack(len(payload)) + payload
+
+
+def _read_frame(stream: BinaryIO, what: str) -> dict[str, Any]:
     head = stream.read(_LEN.size)
+    if not head:
+        raise EOFError(f"parent closed the launch pipe before sending a {what}")
     if len(head) != _LEN.size:
-        raise ValueError("parent closed the launch pipe before sending a spec")
+        raise ValueError(f"parent closed the launch pipe in the middle of a {what}")
     (size,) = _LEN.unpack(head)
     if size > _MAX_SPEC_BYTES:
-        raise ValueError(f"launch spec of {size} bytes is too large")
+        raise ValueError(f"{what} of {size} bytes is too large")
     raw = msgpack.unpackb(stream.read(size), raw=False)
     if not isinstance(raw, dict):
-        raise ValueError("launch spec is not a map")
+        raise ValueError(f"{what} is not a map")
+    return raw
+
+
+def read_warmup(stream: BinaryIO) -> Warmup:
+    """Read the warm-up written by :func:`prestart` (child side, before :func:`read_launch`)."""
+    raw = _read_frame(stream, "warm-up spec")
+    return Warmup(actor=str(raw["actor"]), hook=str(raw.get("hook", "")), hook_args=dict(raw.get("hook_args") or {}))
+
+
+def read_launch(stream: BinaryIO) -> ChildLaunch:
+    """Read the spec written by ``ChildProcess.launch`` (child side); ``EOFError`` if the
+    pipe closed before it began."""
+    raw = _read_frame(stream, "launch spec")
     curve = raw.pop("curve", None)
+    from treeserve.runtime.curve import LinkCurve
+
     return ChildLaunch(**raw, curve=None if curve is None else LinkCurve.from_map(curve))
 
 
@@ -151,14 +205,25 @@ class ChildProcess:
 
     @classmethod
     def launch(cls, spec: ChildLaunch) -> ChildProcess:
-        """Start the child and hand it ``spec`` (never blocks on the child)."""
+        """Start the child and hand it ``spec`` (never blocks on the child); a child
+        :func:`prestart`-ed for the same actor class gets the spec instead, if one is alive."""
         data = spec.to_bytes()
-        argv = [sys.executable, "-m", "treeserve.runtime.child", str(os.getpid())]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, close_fds=True)
-        assert proc.stdin is not None
-        proc.stdin.write(data)
-        proc.stdin.flush()
-        return cls(proc)
+        child = _claim_prestarted(spec.actor) if spec.parent_pid == os.getpid() else None
+        if child is not None:
+            try:
+                child._write(data)
+                return child
+            except OSError:  # it died during its warm-up: start a fresh one
+                child.kill_now()
+        child = cls(subprocess.Popen(_child_argv(), stdin=subprocess.PIPE, close_fds=True))
+        child._write(data)
+        return child
+
+    def _write(self, data: bytes) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        stdin.write(data)
+        stdin.flush()
 
     @property
     def pid(self) -> int:
@@ -203,3 +268,48 @@ class ChildProcess:
             proc.kill()
         while proc.poll() is None:
             await asyncio.sleep(0.005)
+
+
+_prestarted: list[tuple[str, ChildProcess]] = []
+"""Children started by :func:`prestart`, not yet claimed: (actor path, process)."""
+
+
+def _child_argv(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "treeserve.runtime.child", str(os.getpid()), *flags]
+
+
+def prestart(warmup: Warmup) -> ChildProcess:
+    """Start a child for ``warmup.actor`` now, before its launch spec exists: it imports the
+    actor's module and runs the warm-up hook, then waits for the spec that the next
+    :meth:`ChildProcess.launch` of that actor class writes. Such a child always asks for
+    ``PR_SET_PDEATHSIG`` (it cannot know its spec's choice yet)."""
+    ChildLaunch(actor=warmup.actor, name="-", node_name="-", bind="-", parent_endpoint="-", parent_pid=0,
+                heartbeat_interval_s=1.0)  # validates the actor path
+    data = warmup.to_bytes()
+    child = ChildProcess(subprocess.Popen(_child_argv("--prestarted"), stdin=subprocess.PIPE, close_fds=True))
+    child._write(data)
+    _prestarted.append((warmup.actor, child))
+    return child
+
+
+def _claim_prestarted(actor: str) -> ChildProcess | None:
+    for i, (path, child) in enumerate(_prestarted):
+        if path == actor and child.returncode is None:
+            del _prestarted[i]
+            return child
+    return None
+
+
+def discard_prestarted() -> int:
+    """End every prestarted child nobody claimed (closing its death pipe; it exits by itself)
+    and return how many there were."""
+    count = 0
+    while _prestarted:
+        _, child = _prestarted.pop()
+        child.kill_now()
+        try:
+            child._proc.wait(timeout=2.0)  # reap it: nothing else holds it any more
+        except subprocess.TimeoutExpired:
+            pass
+        count += 1
+    return count

@@ -28,6 +28,7 @@ from treeserve.transport.wire import (
     Kind,
     WireLimits,
 )
+from treeserve.transport.wire_types import wire_repr, wire_type
 
 __all__ = ["DecodeError", "EncodeError", "TransportError", "decode", "encode"]
 
@@ -207,11 +208,15 @@ def decode(
         )
     header = _unpack_header(head, limits)
     msg_id = _readable_id(header)
-    _check_version_and_kind(header, msg_id)
-    sink = _DecodeSink(views, limits, tensor_type, msg_id)
-    _resolve(header, limits, sink, msg_id)
-    sink.check_all_used()
-    return build_message(header, msg_id)
+    kind = header.get("kind")
+    try:
+        _check_version_and_kind(header, msg_id)
+        sink = _DecodeSink(views, limits, tensor_type, msg_id)
+        _resolve(header, limits, sink, msg_id)
+        sink.check_all_used()
+        return build_message(header, msg_id)
+    except DecodeError as exc:  # say which kind of message it was, when that was readable
+        raise DecodeError(exc.code, exc.message, exc.msg_id, kind if isinstance(kind, str) else None) from None
 
 
 def _as_view(frame: FrameLike) -> memoryview:
@@ -247,15 +252,31 @@ def _unpack_header(head: memoryview, limits: WireLimits) -> dict[str, Any]:
         )
     except msgpack.exceptions.StackError as exc:
         raise DecodeError(ErrorCode.BAD_MESSAGE, "header nesting too deep") from exc
-    except ValueError as exc:  # FormatError, ExtraData, UnicodeDecodeError, limit errors
-        text = str(exc)
-        code = ErrorCode.TOO_LARGE if "exceeds max_" in text else ErrorCode.BAD_MESSAGE
-        raise DecodeError(code, f"malformed msgpack header: {text or type(exc).__name__}") from exc
-    except (TypeError, RecursionError, MemoryError) as exc:
-        raise DecodeError(ErrorCode.BAD_MESSAGE, f"malformed msgpack header: {exc}") from exc
+    except (ValueError, TypeError, RecursionError, MemoryError) as exc:
+        code, text = _msgpack_problem(exc)
+        raise DecodeError(code, f"malformed msgpack header: {text}") from exc
     if not isinstance(header, dict):
-        raise DecodeError(ErrorCode.BAD_MESSAGE, "header is not a msgpack map")
+        raise DecodeError(ErrorCode.BAD_MESSAGE, f"header must be a msgpack map, got {wire_type(header)}")
     return header
+
+
+def _msgpack_problem(exc: Exception) -> tuple[ErrorCode, str]:
+    """The code and a language-neutral text for msgpack's own exception ``exc`` (its texts
+    speak of Python: ``unpack(b)``, ``strict_map_key``, codec names)."""
+    text = str(exc)
+    if "exceeds max_" in text:  # a declared length above a limit: "5000 exceeds max_str_len(4096)"
+        return ErrorCode.TOO_LARGE, text
+    if isinstance(exc, msgpack.exceptions.ExtraData):
+        return ErrorCode.BAD_MESSAGE, "bytes follow the map in frame 0"
+    if isinstance(exc, msgpack.exceptions.FormatError):
+        return ErrorCode.BAD_MESSAGE, "not msgpack (a reserved byte, 0xc1)"
+    if isinstance(exc, UnicodeDecodeError):
+        return ErrorCode.BAD_MESSAGE, "a str is not valid UTF-8"
+    if "strict_map_key" in text:
+        return ErrorCode.BAD_MESSAGE, "a map key is not a str or bin"
+    if "incomplete input" in text:
+        return ErrorCode.BAD_MESSAGE, "truncated (a declared length runs past the frame)"
+    return ErrorCode.BAD_MESSAGE, "not a valid msgpack value"
 
 
 def _readable_id(header: dict[str, Any]) -> int | None:
@@ -269,18 +290,26 @@ def _check_version_and_kind(header: dict[str, Any], msg_id: int | None) -> None:
     if "v" not in header:
         raise DecodeError(ErrorCode.BAD_MESSAGE, "header has no 'v' (version)", msg_id)
     version = header["v"]
-    if version != PROTOCOL_VERSION or type(version) is not int:
+    if type(version) is not int:
         raise DecodeError(
             ErrorCode.UNSUPPORTED_VERSION,
-            f"protocol version {version!r} is not supported (this peer speaks "
+            f"header 'v' (protocol version) must be an int, got {wire_type(version)} (this peer speaks "
             f"{PROTOCOL_VERSION})",
             msg_id,
         )
-    kind = header.get("kind")
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version} is not supported (this peer speaks {PROTOCOL_VERSION})",
+            msg_id,
+        )
+    if "kind" not in header:
+        raise DecodeError(ErrorCode.BAD_MESSAGE, "header has no 'kind'", msg_id)
+    kind = header["kind"]
     if not isinstance(kind, str):
-        raise DecodeError(ErrorCode.BAD_MESSAGE, "header 'kind' missing or not a str", msg_id)
+        raise DecodeError(ErrorCode.BAD_MESSAGE, f"header 'kind' must be a str, got {wire_type(kind)}", msg_id)
     if kind not in Kind.__members__.values():
-        raise DecodeError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind!r}", msg_id)
+        raise DecodeError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {wire_repr(kind)}", msg_id)
 
 
 class _DecodeSink:
@@ -322,22 +351,25 @@ class _DecodeSink:
                 max_map_len=8,
             )
         except (ValueError, TypeError) as exc:
-            raise DecodeError(code, f"malformed {what} ext payload: {exc}", self._msg_id) from exc
+            _, text = _msgpack_problem(exc)
+            raise DecodeError(code, f"malformed {what} ext payload: {text}", self._msg_id) from exc
         if not isinstance(payload, dict):
-            raise DecodeError(code, f"{what} ext payload is not a map", self._msg_id)
+            raise DecodeError(code, f"{what} ext payload must be a map, got {wire_type(payload)}", self._msg_id)
         return payload
 
     def _tensor(self, data: bytes) -> Any:
         payload = self._payload(data, "tensor", ErrorCode.BAD_TENSOR)
         dtype, shape, index = payload.get("dtype"), payload.get("shape"), payload.get("frame")
         if not isinstance(dtype, str):
-            raise self._bad("tensor 'dtype' missing or not a str")
+            raise self._bad(f"tensor 'dtype' must be a str, got {wire_type(dtype)}")
         if not isinstance(shape, list) or not all(
             type(d) is int and d >= 0 for d in shape
         ):
-            raise self._bad("tensor 'shape' must be an array of non-negative ints")
-        if type(index) is not int or not 1 <= index < len(self._views):
-            raise self._bad(f"tensor 'frame' {index!r} is not in [1, {len(self._views)})")
+            raise self._bad(f"tensor 'shape' must be an array of non-negative ints, got {wire_repr(shape)}")
+        if type(index) is not int:
+            raise self._bad(f"tensor 'frame' must be an int, got {wire_type(index)}")
+        if not 1 <= index < len(self._views):
+            raise self._bad(f"tensor 'frame' {index} is not in [1, {len(self._views)})")
         if self._used[index]:
             raise self._bad(f"tensor frame {index} is referenced twice")
         self._used[index] = True
@@ -356,7 +388,7 @@ class _DecodeSink:
         if not isinstance(endpoint, str) or not isinstance(name, str):
             raise DecodeError(
                 ErrorCode.BAD_MESSAGE,
-                "actor ref needs str 'endpoint' and str 'name'",
+                f"actor ref needs str 'endpoint' and str 'name', got {wire_type(endpoint)} and {wire_type(name)}",
                 self._msg_id,
             )
         return ActorAddress(endpoint=endpoint, name=name)

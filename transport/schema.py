@@ -1,7 +1,7 @@
 """Header field rules per message kind, shared by encode and decode.
 
 Each kind has a fixed set of named fields; a field is required (key must be present)
-or optional (absent means its default). Unknown keys are ignored so that a minor
+or optional (absent, or nil, means its default). Unknown keys are ignored so that a minor
 revision within the same major version can add optional fields.
 """
 
@@ -25,6 +25,7 @@ from treeserve.transport.messages import (
     kind_of,
 )
 from treeserve.transport.wire import ErrorCode, Kind
+from treeserve.transport.wire_types import wire_type
 
 __all__ = ["FIELDS", "FieldSpec", "build_message", "header_fields"]
 
@@ -132,7 +133,8 @@ def header_fields(msg: Message) -> dict[str, Any]:
 
 def build_message(header: dict[str, Any], msg_id: int | None) -> Message:
     """Build the typed message from a decoded header whose version and kind were already
-    checked; raises ``DecodeError(BAD_MESSAGE)`` for a missing or mistyped field. An
+    checked; raises ``DecodeError(BAD_MESSAGE)`` for a missing or mistyped field (its text
+    names wire types). An optional field that is absent or nil takes its default. An
     unknown error code (from a newer peer) decodes as ``INTERNAL`` with the original
     string kept in ``details["unknown_code"]``."""
     kind = Kind(header["kind"])
@@ -146,11 +148,14 @@ def build_message(header: dict[str, Any], msg_id: int | None) -> Message:
             values[spec.name] = spec.default
             continue
         value = header[spec.name]
+        if value is None and not spec.is_required:
+            values[spec.name] = spec.default
+            continue
         if not spec.check(value):
             raise DecodeError(
                 ErrorCode.BAD_MESSAGE,
-                f"{kind.value} field '{spec.name}' must be {spec.type_name}, "
-                f"got {type(value).__name__}",
+                f"{kind.value} field '{spec.name}' must be {spec.type_name.replace(' | ', ' or ')}, "
+                f"got {wire_type(value)}",
                 msg_id,
             )
         values[spec.name] = value

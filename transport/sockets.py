@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -198,12 +199,16 @@ def make_router(
     curve: CurveServerConfig | None = None,
     authenticator: CurveAuthenticator | None = None,
     allow_public_bind: bool = False,
+    handover: bool = False,
 ) -> zmq.asyncio.Socket:
     """Create a ROUTER bound to ``bind`` (``tcp://127.0.0.1:0`` picks a free port; see
     ``bound_endpoint``). ROUTER_MANDATORY is on, so sending to a vanished peer raises
     ``zmq.ZMQError(EHOSTUNREACH)`` instead of dropping silently. A non-loopback tcp bind
     raises ``InsecureBindError`` unless ``allow_public_bind``. With ``curve``, a running
-    ``authenticator`` on the same context is required and enforces the allow-list."""
+    ``authenticator`` on the same context is required and enforces the allow-list.
+    ``handover`` (ROUTER_HANDOVER): a peer reconnecting with the routing id of a connection
+    the ROUTER still holds takes that id over, instead of being refused it, so a client that
+    sets its own id is reachable again under it at once after a reconnect."""
     _check_scheme(bind)
     if not allow_public_bind and not is_loopback_endpoint(bind):
         raise InsecureBindError(
@@ -219,6 +224,8 @@ def make_router(
     try:
         _apply_limits(sock, limits)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if handover:
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if curve is not None:
             assert authenticator is not None  # checked above
             domain = authenticator.register(curve.allowed_client_public_keys)
@@ -242,9 +249,12 @@ def make_dealer(
     identity: bytes | None = None,
     limits: WireLimits = DEFAULT_LIMITS,
     curve: CurveClientConfig | None = None,
+    before_connect: Callable[[zmq.asyncio.Socket], None] | None = None,
 ) -> zmq.asyncio.Socket:
     """Create a DEALER connected to ``connect``; ``identity`` (1..255 bytes, not starting
-    with a zero byte) is the routing id the ROUTER sees, else zmq picks one."""
+    with a zero byte) is the routing id the ROUTER sees, else zmq picks one.
+    ``before_connect(sock)`` runs on the configured socket just before it connects (attach a
+    socket monitor there: one attached later can miss the first handshake)."""
     _check_scheme(connect)
     if identity is not None and not (1 <= len(identity) <= 255 and identity[0] != 0):
         raise ValueError("identity must be 1..255 bytes and must not start with a zero byte")
@@ -259,6 +269,8 @@ def make_dealer(
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
         if connect.startswith("tcp://[") or connect.count(":") > 2:
             sock.setsockopt(zmq.IPV6, 1)
+        if before_connect is not None:
+            before_connect(sock)
         sock.connect(connect)
     except BaseException:
         sock.close(linger=0)

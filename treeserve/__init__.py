@@ -23,6 +23,7 @@ _LAZY = {
     "OverloadedError": "treeserve.client",
     "UnavailableError": "treeserve.client",
     "ConnectionLostError": "treeserve.client",
+    "ConnectTimeoutError": "treeserve.client",
     "DeadlineExceededError": "treeserve.client",
     "RequestCancelledError": "treeserve.client",
     "Server": "treeserve.server",

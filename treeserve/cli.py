@@ -24,13 +24,53 @@ from collections.abc import Callable, Sequence
 
 from treeserve import __version__
 from treeserve.cli_common import UserError, add_model_flags, model_name, progress
-from treeserve.cli_generate import add_generate_parser, cmd_generate
-from treeserve.cli_serve import add_node_parser, add_serve_parser, cmd_node, cmd_serve
-from treeserve.cli_train import add_train_parsers, cmd_distill, cmd_distill_features, cmd_train_predictor
+from treeserve.ops.format_names import AUTO_FORMAT
+
+VERIFIER_ACTOR = "treeserve.actors.verifier:VerifierShard"
+PRELOAD_HOOK = "treeserve.ops.loaders.load:preload"
+
+
+def prestart_verifier(argv: Sequence[str]) -> bool:
+    """Start the verifier's child process now, if this command is going to start one.
+
+    This runs before anything heavy is imported: the subcommands' modules import torch (about
+    2 s here), and the child spends that long importing it too, so the two now overlap. The
+    child also reads the model's converted weights while it waits for its launch spec
+    (:func:`treeserve.runtime.process.prestart`, :func:`treeserve.ops.loaders.load.preload`).
+    Only the flags that decide whether this process starts exactly one local verifier are read
+    here, leniently; the full parser validates them all afterwards, and a child that is not
+    claimed is discarded. Returns whether a child was started.
+    """
+    if not argv or argv[0] not in ("generate", "serve"):
+        return False
+    scan = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_model_flags(scan)
+    scan.add_argument("-h", "--help", action="store_true")
+    scan.add_argument("--in-process", action="store_true")
+    scan.add_argument("--format", "--dtype", dest="dtype", default=None)
+    scan.add_argument("--tp", default="1")
+    scan.add_argument("--nodes", default="0")
+    try:
+        known, _ = scan.parse_known_args(argv[1:])
+    except (argparse.ArgumentError, SystemExit):  # malformed flags: the full parser reports them
+        return False
+    if known.help or known.in_process or known.tp != "1" or known.nodes != "0":
+        return False
+    from treeserve.runtime.process import Warmup, prestart
+
+    cache_dir = None if known.cache_dir is None else str(known.cache_dir)
+    prestart(Warmup(VERIFIER_ACTOR, hook=PRELOAD_HOOK, hook_args={
+        "model": model_name(known), "cache_dir": cache_dir, "weight_format": known.dtype or AUTO_FORMAT,
+    }))
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags."""
+    from treeserve.cli_generate import add_generate_parser
+    from treeserve.cli_serve import add_node_parser, add_serve_parser
+    from treeserve.cli_train import add_train_parsers
+
     parser = argparse.ArgumentParser(
         prog="treeserve",
         description="Serve LLMs with tree-based speculative inference (SpecInfer) on an asyncio actor runtime.",
@@ -60,17 +100,26 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
-    "train-predictor": cmd_train_predictor, "distill": cmd_distill, "distill-features": cmd_distill_features,
-}
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs subcommand ``name``."""
+    from treeserve.cli_generate import cmd_generate
+    from treeserve.cli_serve import cmd_node, cmd_serve
+    from treeserve.cli_train import cmd_distill, cmd_distill_features, cmd_train_predictor
+
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
+        "train-predictor": cmd_train_predictor, "distill": cmd_distill, "distill-features": cmd_distill_features,
+    }
+    return commands[name]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: parse ``argv`` and run one subcommand."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prestarted = prestart_verifier(argv)
     try:
-        code = COMMANDS[args.command](args)
+        args = build_parser().parse_args(argv)
+        code = command(args.command)(args)
     except UserError as exc:
         print(f"treeserve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -79,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    finally:
+        if prestarted:
+            from treeserve.runtime.process import discard_prestarted
+
+            discard_prestarted()
     raise SystemExit(code)
 
 

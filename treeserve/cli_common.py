@@ -1,5 +1,6 @@
 """What every ``treeserve`` subcommand shares: the user-error type, progress lines on stderr, the
-model flags and the expansion flag."""
+model flags and the expansion flag. It imports nothing heavy (no torch): the command line reads
+the model flags before anything else (:func:`treeserve.cli.prestart_verifier`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from treeserve.ops.drafting import DEFAULT_EXPANSION
-from treeserve.ops.formats import AUTO_FORMAT, FORMAT_NAMES
+from treeserve.ops.expansion import DEFAULT_EXPANSION
+from treeserve.ops.format_names import AUTO_FORMAT, FORMAT_NAMES
 
 EXPANSION_HELP = f"expansion config of model speculators, e.g. {','.join(map(str, DEFAULT_EXPANSION))}"
 
@@ -57,7 +58,7 @@ def parse_expansion(text: str) -> tuple[int, ...]:
 
 def model_name(args: argparse.Namespace) -> str:
     """``--model``, or the default model."""
-    from treeserve.models import DEFAULT_MODEL
+    from treeserve.ops.loaders.registry import DEFAULT_MODEL
 
     return str(args.model or DEFAULT_MODEL)
 

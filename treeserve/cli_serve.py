@@ -1,5 +1,9 @@
 """``treeserve serve`` (run the server until interrupted) and ``treeserve node`` (offer this host's
-devices to a head). Flag defaults are :class:`~treeserve.server_config.ServerConfig`'s."""
+devices to a head). Flag defaults are :class:`~treeserve.server_config.ServerConfig`'s.
+
+Front ends: the ZeroMQ gateway on ``--bind`` (``--no-zmq`` turns it off) and, with
+``--http HOST:PORT``, the OpenAI-compatible HTTP API (``--api-key``/``--api-key-file``: a bearer
+token, required off loopback). ``--log-every-s`` prints a one-line load summary (0: never)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from treeserve.cli_common import (
 from treeserve.server_config import ServerConfig
 
 NO_SPECULATION = "none"
+DEFAULT_LOG_EVERY_S = 10.0
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -32,7 +37,18 @@ def add_serve_parser(sub: Any) -> None:
     defaults = ServerConfig()
     serve = sub.add_parser("serve", help="run the server until interrupted")
     add_model_flags(serve)
-    serve.add_argument("--bind", default=defaults.bind, help="public gateway endpoint")
+    serve.add_argument("--bind", default=defaults.bind, help="public ZeroMQ gateway endpoint")
+    serve.add_argument("--no-zmq", action="store_true", help="no ZeroMQ gateway: serve only the HTTP API (needs --http)")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8000 (port 0: a free one)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="HTTP API key (Authorization: Bearer KEY); required when --http is not loopback")
+    serve.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                       help="read the HTTP API key from this file (keeps it out of the process list)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id the HTTP API lists and requests name (default: --model)")
+    serve.add_argument("--log-every-s", type=float, default=DEFAULT_LOG_EVERY_S, metavar="S",
+                       help="print a one-line load summary every S seconds (0: never; default %(default)s)")
     serve.add_argument(
         "--speculator", action="append", default=None, metavar="SPEC",
         help=f"speculator kind, repeatable, tried in this order: {SPEC_SYNTAX} (default: the server's default "
@@ -94,18 +110,43 @@ def server_config(**fields: Any) -> ServerConfig:
         raise UserError(str(exc)) from None
 
 
+def api_key_from_flags(key: str | None, key_file: Path | None) -> str | None:
+    """``--api-key``, or the first line of ``--api-key-file`` (not both)."""
+    if key is not None and key_file is not None:
+        raise UserError("give --api-key or --api-key-file, not both")
+    if key_file is None:
+        return key
+    try:
+        lines = key_file.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"--api-key-file: cannot read {key_file}: {exc.strerror}") from None
+    if not lines or not lines[0].strip():
+        raise UserError(f"--api-key-file: {key_file} is empty")
+    return lines[0].strip()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; status 1 when a supervisor gave up (the process manager restarts us)."""
+    import time
+
     import uvloop
 
+    from treeserve.actors.load_log import log_load_every
     from treeserve.server import Server
 
+    if args.no_zmq and args.http is None:
+        raise UserError("--no-zmq leaves nothing to serve: add --http HOST:PORT")
+    if not args.log_every_s >= 0:
+        raise UserError(f"--log-every-s must be >= 0, got {args.log_every_s}")
     specs = speculators_from_flags(args.speculator, parse_expansion(args.expansion))
     config = server_config(
         model=model_name(args),
         cache_dir=None if args.cache_dir is None else str(args.cache_dir),
         compile_in_background=True,  # a long-lived server: serve eagerly while a first compile runs
-        bind=args.bind,
+        bind=None if args.no_zmq else args.bind,
+        http=args.http,
+        api_key=api_key_from_flags(args.api_key, args.api_key_file),
+        served_model_name=args.served_model_name,
         dtype=args.dtype,
         device=args.device,
         tp=args.tp,
@@ -130,12 +171,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with Server(config, progress=progress) as server:
-            progress(f"ready: clients connect to {server.endpoint} (Ctrl-C stops)")
-            failures = await server.run_until(stop)
+            where = [] if config.bind is None else [f"clients connect to {server.endpoint}"]
+            if config.http is not None:
+                where.append(f"OpenAI clients use {server.http_url}/v1")
+            progress(f"ready: {', '.join(where)} (Ctrl-C stops)")
+            async with asyncio.TaskGroup() as tasks:
+                if args.log_every_s > 0:
+                    log_task = tasks.create_task(
+                        log_load_every(args.log_every_s, server.metrics, progress, time.monotonic))
+                failures = await server.run_until(stop)
+                if args.log_every_s > 0:
+                    log_task.cancel()
             progress("stopping")
         return failures
 
-    failures = uvloop.run(serve())
+    from treeserve.actors.gateway_http import HttpBindError
+
+    try:
+        failures = uvloop.run(serve())
+    except HttpBindError as exc:  # a port in use is the user's to fix, not a crash
+        raise UserError(str(exc.strerror)) from None
     if failures:  # a supervisor gave up: let the process manager restart us
         print(f"treeserve: error: the server failed: {'; '.join(failures)}", file=sys.stderr)
         return 1
@@ -185,4 +240,5 @@ def cmd_node(args: argparse.Namespace) -> int:
     return int(uvloop.run(run()))
 
 
-__all__ = ["add_node_parser", "add_serve_parser", "cmd_node", "cmd_serve", "server_config", "speculators_from_flags"]
+__all__ = ["add_node_parser", "add_serve_parser", "api_key_from_flags", "cmd_node", "cmd_serve", "server_config",
+           "speculators_from_flags"]

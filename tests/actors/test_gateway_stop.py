@@ -65,7 +65,7 @@ async def test_a_stop_string_that_never_appears_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("stop, message", [
-    (["ok", ""], "non-empty"), ([1], "non-empty"), ({"a": 1}, "a string or a list"),
+    (["ok", ""], "non-empty"), ([1], "non-empty"), ({"a": 1}, "a str or an array of str, got map"),
     (["x"] * 17, "at most 16"), (["x" * 257], "at most 256"),
 ])
 async def test_bad_stop_strings_are_invalid_requests(stop: object, message: str) -> None:

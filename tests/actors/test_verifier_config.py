@@ -32,6 +32,8 @@ def test_good_config_and_defaults() -> None:
         ({"row_capacity": 1}, "row_capacity"),
         ({"dist_timeout_s": 0}, "dist_timeout_s"),
         ({"num_threads": 0}, "num_threads"),
+        ({"compile_decode": "no"}, "compile_decode"),
+        ({"compile_in_background": 1}, "compile_in_background"),
         ({"rows": 3}, "unknown"),
     ],
 )

@@ -1,8 +1,11 @@
-"""Stochastic losslessness of multi-step speculative sampling (MSS) over merged token trees.
+"""Stochastic losslessness of multi-step speculative sampling (MSS, unseeded requests) and of
+keyed verification (seeded requests) over merged token trees.
 
 The LLM's own distribution of the first ``K`` generated tokens is computed exactly by
 enumeration from its probabilities; many seeded speculative runs must match it under a
-chi-square test, and deliberately wrong verification rules must fail the same test.
+chi-square test, and deliberately wrong verification rules must fail the same test. Keyed
+verification must also emit, seed by seed, exactly the tokens of keyed decoding without
+speculation from the same logits.
 
 Two harnesses: a fast one where the tiny models' logits for every reachable prefix are
 tabulated once (so thousands of draws only run the real drafting, merging and verification
@@ -12,7 +15,7 @@ code), and an end-to-end one through ``generate_speculative`` with real ``ModelS
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -21,10 +24,10 @@ from torch import Tensor
 from treeserve.ops.drafting import ModelSpeculator, Speculator, expand_token_tree
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.ngram import NGramSpeculator
-from treeserve.ops.sampling import SamplingParams, logits_to_probs
+from treeserve.ops.sampling import SampleKey, SamplingParams, logits_to_probs, sample_keyed
 from treeserve.ops.speculative import generate_speculative
 from treeserve.ops.token_tree import TokenTree, merge_trees
-from treeserve.ops.verify import VerifyFn, VerifyResult, verify_stochastic
+from treeserve.ops.verify import VerifyFn, VerifyResult, verify_keyed, verify_stochastic
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7]
@@ -355,3 +358,78 @@ def test_served_kinds_at_temperature_0_8_match_the_llm_distribution(make_specula
     assert chi_square_p_value(counts, exact) > PASS_P_VALUE
     wrong = served_counts(llm, make_speculators(llm), params, accept_without_ratio, 1500, 2)
     assert chi_square_p_value(wrong, exact) < FAIL_P_VALUE
+
+
+# ------------------------------------------------------------------ keyed verification (seeded requests)
+def accept_first_keyed(tree: TokenTree, logits: Tensor, params: SamplingParams, key: SampleKey) -> VerifyResult:
+    """WRONG: accepts every first proposal, then the keyed bonus at the leaf's position."""
+    accepted = [0]
+    proposals = tree.proposals()
+    while proposals[accepted[-1]]:
+        accepted.append(proposals[accepted[-1]][0].child)
+    p = logits_to_probs(logits[accepted[-1]][None], params)
+    return VerifyResult(accepted, sample_keyed(p, key.seed, [key.position + len(accepted) - 1])[0])
+
+
+def keyed_ignoring_temperature(tree: TokenTree, logits: Tensor, params: SamplingParams, key: SampleKey) -> VerifyResult:
+    """WRONG: keyed verification against the temperature-1 distribution."""
+    return verify_keyed(tree, logits, SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p), key)
+
+
+def keyed_first_tokens(
+    llm_table: dict[tuple[int, ...], Tensor],
+    speculators: Sequence[TableSpeculator | NGramSpeculator],
+    params: SamplingParams,
+    verifier: Callable[[TokenTree, Tensor, SamplingParams, SampleKey], VerifyResult],
+    seeds: range,
+    k: int,
+) -> tuple[Tensor, int]:
+    """Counts over VOCAB**k outcomes of the first k tokens, one seeded run per seed (drafting
+    from a stream of its own), and how many runs differ from keyed decoding without speculation
+    (the keyed draw at each position from the same table logits)."""
+    counts = torch.zeros(VOCAB**k, dtype=torch.long)
+    num_differ = 0
+    for seed in seeds:
+        seeded = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+        draft_gen = torch.Generator().manual_seed(10_000 + seed)
+        for s in speculators:
+            s.prefill(PROMPT)
+        generated: list[int] = []
+        while len(generated) < k:
+            remaining = k - len(generated)
+            tree = merge_trees([s.propose(seeded, draft_gen, max_depth=remaining - 1) for s in speculators])
+            logits = torch.stack(
+                [llm_table[tuple(generated + tree.tokens[tree.path_to(n)[1:]].tolist())] for n in range(tree.num_nodes)]
+            )  # (T, V)
+            key = SampleKey(seed, len(PROMPT) + len(generated))  # the position the root's logits predict
+            new = verifier(tree, logits, seeded, key).new_tokens(tree)[:remaining]
+            generated += new
+            for s in speculators:
+                s.accept(new)
+        plain: list[int] = []
+        for _ in range(k):
+            p = logits_to_probs(llm_table[tuple(plain)][None], seeded)
+            plain += sample_keyed(p, seed, [len(PROMPT) + len(plain)])
+        num_differ += plain != generated
+        index = 0
+        for token in generated:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts, num_differ
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_keyed_verification_is_lossless_equals_plain_decoding_and_wrong_rules_fail(tables, case: str) -> None:  # type: ignore[no-untyped-def]
+    llm_table, ssm_tables = tables
+    params = CASES[case]
+    exact = exact_distribution(llm_table, params, K)
+    counts, num_differ = keyed_first_tokens(llm_table, make_table_speculators(ssm_tables), params, verify_keyed,
+                                            range(2000), K)
+    assert chi_square_p_value(counts, exact) > PASS_P_VALUE
+    assert num_differ == 0  # with speculation = without, seed by seed
+    wrong_rules = [accept_first_keyed] + ([keyed_ignoring_temperature] if params.temperature != 1.0 else [])
+    for wrong in wrong_rules:
+        wrong_counts, wrong_differ = keyed_first_tokens(llm_table, make_table_speculators(ssm_tables), params, wrong,
+                                                        range(1000), K)
+        assert chi_square_p_value(wrong_counts, exact) < FAIL_P_VALUE, wrong.__name__
+        assert wrong_differ > 0, wrong.__name__

@@ -1,4 +1,4 @@
-"""Greedy and stochastic (MSS) verification rules on hand-made and random token trees."""
+"""Greedy, keyed and stochastic (MSS) verification rules on hand-made and random token trees."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops.sampling import SamplingParams, logits_to_probs
+from treeserve.ops.sampling import SampleKey, SamplingParams, logits_to_probs, sample_keyed
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
-from treeserve.ops.verify import VerificationError, verify, verify_greedy, verify_stochastic
+from treeserve.ops.verify import VerificationError, verify, verify_greedy, verify_keyed, verify_stochastic
 
 V = 6
 
@@ -166,3 +166,49 @@ def test_cutting_a_drawn_tree_by_size_is_biased_but_worst_case_limits_are_not() 
 
     assert chi2(counts(cut=False)) < 18.4  # 99.99th percentile, 2 dof
     assert chi2(counts(cut=True)) > 18.4
+
+
+def test_keyed_verification_follows_the_keyed_samples_of_each_depth() -> None:
+    # Root -> {1 (twice, one a duplicate draw), 2}; 1 -> 3 -> 4: every path node's target is the
+    # keyed sample of its own logits at position + depth, the first matching child is taken.
+    builder = TokenTreeBuilder(0, with_probs=True)
+    q = builder.add_probs(torch.full((V,), 1 / V))
+    one = builder.add_proposal(0, 1, q_row=q)
+    builder.add_proposal(0, 1, q_row=q)
+    builder.add_proposal(0, 2, q_row=q)
+    three = builder.add_proposal(one, 3, q_row=q)
+    builder.add_proposal(three, 4, q_row=q)
+    tree = builder.build()
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(3)
+    seen_accepted = set()
+    for seed in range(200):
+        logits = torch.randn(tree.num_nodes, V, generator=gen) * 2
+        key = SampleKey(seed, 17)
+        result = verify_keyed(tree, logits, params, key)
+        assert verify(tree, logits, params, key) == result  # the dispatch of a key
+        path, node = [0], 0
+        while True:  # the reference walk, one keyed sample per depth
+            target = sample_keyed(logits_to_probs(logits[node][None], params), seed, [17 + len(path) - 1])[0]
+            child = next((c for c in range(1, tree.num_nodes)
+                          if int(tree.parents[c]) == node and int(tree.tokens[c]) == target), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        assert result.accepted == path and result.bonus_token == target
+        seen_accepted.add(len(path))
+    assert seen_accepted == {1, 2, 3, 4}  # every depth was reached by some seed
+
+
+def test_keyed_verification_needs_no_draft_probs_but_checks_them() -> None:
+    params = SamplingParams(temperature=1.0)
+    # A greedy-drafted chain (no draft_probs) is fine: drafts are only compared to targets.
+    result = verify_keyed(TokenTree.chain(0, [5]), torch.eye(V)[[5, 2]] * 50, params, SampleKey(1, 0))
+    assert result.accepted == [0, 1] and result.bonus_token == 2
+    builder = TokenTreeBuilder(0, with_probs=True)
+    row = builder.add_probs(torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0, 0.0]))
+    builder.add_proposal(0, 3, q_row=row)  # 3 cannot come from that q: a speculator's bug
+    with pytest.raises(VerificationError, match="proposed"):
+        verify_keyed(builder.build(), torch.zeros(2, V), params, SampleKey(1, 0))
+    assert verify_keyed(TokenTree.chain(0, [2]), torch.eye(V)[[2, 4]], SamplingParams(), SampleKey(1, 0)).accepted == [0, 1]

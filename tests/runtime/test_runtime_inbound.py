@@ -95,7 +95,8 @@ async def test_checks_before_the_service_and_its_three_answers(
     await until(lambda: inbound.num_open == 1)
     await send(dealer, Request(1, "t", "now", None, None, False))  # id 1 is still open
     err = await answer(dealer)
-    assert isinstance(err, Error) and err.id == 1 and err.code == ErrorCode.INVALID_REQUEST
+    # Id nil: the error ends nothing, the open request 1 goes on (PROTOCOL.md 2, "error").
+    assert isinstance(err, Error) and err.id is None and err.code == ErrorCode.INVALID_REQUEST
     await send(dealer, Request(2, "t", "now", None, 0, False))  # no time left on arrival
     err = await answer(dealer)
     assert isinstance(err, Error) and err.code == ErrorCode.DEADLINE_EXCEEDED

@@ -12,7 +12,20 @@ from typing import Any
 from treeserve.runtime.actor import Actor, handler, stream_handler
 from treeserve.runtime.ref import ActorRef
 
-__all__ = ["EchoActor", "ProbeActor", "TinyMailboxWorker", "WorkerActor"]
+__all__ = ["EchoActor", "ProbeActor", "TinyMailboxWorker", "WorkerActor", "warm_up", "warm_up_fails"]
+
+WARMED: list[str] = []
+"""What :func:`warm_up` recorded in this process (a prestarted child's warm-up hook)."""
+
+
+def warm_up(tag: str) -> None:
+    """A warm-up hook (``runtime.process.Warmup``): records ``tag`` for :meth:`EchoActor.warmed`."""
+    WARMED.append(tag)
+
+
+def warm_up_fails(tag: str) -> None:
+    """A warm-up hook that raises."""
+    raise RuntimeError(f"warm-up {tag} failed on purpose")
 
 
 class ProbeActor(Actor):
@@ -40,6 +53,10 @@ class EchoActor(Actor):
     @handler
     async def pid(self) -> int:
         return os.getpid()
+
+    @handler
+    async def warmed(self) -> list[str]:
+        return list(WARMED)
 
 
 class WorkerActor(Actor):
