@@ -261,19 +261,19 @@ class Server:
             for rank in range(cfg.tp)
         ]
 
-        async def start_verifiers() -> None:
+        async def start_verifiers_then_predictor() -> ActorRef | None:
             self.verifiers = list(await asyncio.gather(*(
                 self._spawn_shard(shard, verifier_sup, agents) for shard in shard_configs
             )))
             self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
+            return await self._start_predictor(supervisor_config)  # checked against the model's info
 
-        # The verifiers, the speculators and the predictor start side by side: each is a child
-        # process that spends seconds importing torch and loading, and none needs another.
+        # The verifiers and the speculators start side by side: each is a child process that
+        # spends seconds importing torch and loading, and neither needs the other.
         try:
-            async with asyncio.TaskGroup() as group:  # one failing cancels the others
-                group.create_task(start_verifiers())
+            async with asyncio.TaskGroup() as group:  # one failing cancels the other
+                predictor_started = group.create_task(start_verifiers_then_predictor())
                 speculators_started = group.create_task(self._start_speculators(supervisor_config, agents))
-                predictor_started = group.create_task(self._start_predictor(supervisor_config))
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0]  # what went wrong, not the group it was caught in
         speculators = speculators_started.result()
