@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from treeserve.runtime.process import (
     ChildLaunch,
@@ -34,16 +35,33 @@ _READY_TIMEOUT_S = 10.0
 
 def _warm_up(warmup: Warmup) -> None:
     """Import the actor's module and run the hook. A failure only costs its time: the start
-    that follows imports the actor again and raises what is wrong."""
+    that follows imports the actor again and raises what is wrong.
+
+    The hook runs on a thread of its own, not on this main thread (the event loop's, later):
+    a verifier whose main thread had read its model before serving decoded 15-20% slower for
+    good (55-62 against 65-80 tokens/s, 128-token runs, 2 cores), and on a thread it did not.
+    """
     try:
         importlib.import_module(warmup.actor.partition(":")[0])
         if not warmup.hook:
             return
         module_name, _, name = warmup.hook.partition(":")
-        getattr(importlib.import_module(module_name), name)(**warmup.hook_args)
+        hook = getattr(importlib.import_module(module_name), name)
     except Exception:
         logging.getLogger(__name__).warning("warming up %s failed; starting without it", warmup.actor,
                                             exc_info=True)
+        return
+
+    def run() -> None:
+        try:
+            hook(**warmup.hook_args)
+        except Exception:
+            logging.getLogger(__name__).warning("warming up %s failed; starting without it", warmup.actor,
+                                                exc_info=True)
+
+    thread = threading.Thread(target=run, name="warm-up")
+    thread.start()
+    thread.join()
 
 
 def _import_actor(path: str) -> type:
