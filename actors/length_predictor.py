@@ -11,7 +11,8 @@ Config dict::
 
 ``model`` is the served LM; a ``hidden`` predictor runs its first blocks (float32, as trained)
 and the rest of the model is dropped after loading. ``predictor`` is an ``.npz`` written by
-``treeserve train-predictor`` (None: the shipped one). With ``online`` the head is refined from
+``treeserve train-predictor`` (None: the shipped one), or a ``lookup`` table of true lengths
+(the benchmark's SJF oracle, never refined online). With ``online`` the head is refined from
 completed requests by :class:`treeserve.ops.length_predictor.OnlineHead` (bounded buffer, a
 ridge re-solve every few requests). Handlers:
 
@@ -116,7 +117,8 @@ class LengthPredictorActor(Actor):
             # Keep only the blocks the features read; the rest of the model is freed.
             predictor.bind(model.to(cfg.device))
         self._predictor = predictor
-        self._online = OnlineHead(predictor) if cfg.online else None
+        # A lookup oracle (bench/scheduling.py's SJF oracle) knows the true lengths: nothing to learn.
+        self._online = OnlineHead(predictor) if cfg.online and not predictor.spec.is_lookup else None
 
     # ------------------------------------------------------------------ handlers
     @handler

@@ -5,7 +5,8 @@ use them. The pieces:
 
 * :mod:`treeserve.actors.policy_queue`: a queued request, the policy interface, the shared
   queue mechanics, and FCFS;
-* :mod:`treeserve.actors.policy_aging`: promotion after ``max_wait_s`` and the wait bound it gives;
+* :mod:`treeserve.actors.policy_aging`: service-scaled aging deadlines (at most ``max_wait_s``
+  after arrival) and the wait bound they give;
 * :mod:`treeserve.actors.policy_ssjf`: SSJF, shortest predicted output first;
 * :mod:`treeserve.actors.policy_hrrn`: HRRN, highest response ratio next.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 
+from treeserve.actors.policy_aging import DEFAULT_AGING_TOKENS
 from treeserve.actors.policy_hrrn import HRRNPolicy, response_ratio
 from treeserve.actors.policy_queue import FCFSPolicy, QueuedRequest, SchedulingPolicy
 from treeserve.actors.policy_ssjf import SSJFPolicy
@@ -45,14 +47,16 @@ PREDICTION_POLICIES: tuple[str, ...] = tuple(p.value for p in PolicyName if p.us
 def make_policy(name: str, **config: float) -> SchedulingPolicy:
     """Build a policy by name (``fcfs``, ``ssjf``, ``hrrn``).
 
-    The only option is ``max_wait_s``, the aging bound (required for ``ssjf``, optional for
-    ``hrrn``, not accepted by ``fcfs``). Unknown names, unknown options and missing required
-    options raise ``ValueError`` naming the valid ones.
+    Options: ``max_wait_s``, the latest aging deadline after arrival (required for ``ssjf``,
+    optional for ``hrrn``), and ``aging_tokens``, the job size that gets the full ``max_wait_s``
+    (default :data:`~treeserve.actors.policy_aging.DEFAULT_AGING_TOKENS`; ``1``: the same fixed
+    wait for every request); ``fcfs`` takes none. Unknown names, unknown options and missing
+    required options raise ``ValueError`` naming the valid ones.
     """
     if name not in POLICY_NAMES:
         raise ValueError(f"unknown scheduling policy {name!r}; valid names: {', '.join(POLICY_NAMES)}")
     policy = PolicyName(name)
-    allowed = () if policy is PolicyName.FCFS else ("max_wait_s",)
+    allowed = () if policy is PolicyName.FCFS else ("max_wait_s", "aging_tokens")
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         raise ValueError(
@@ -64,11 +68,11 @@ def make_policy(name: str, **config: float) -> SchedulingPolicy:
     if policy is PolicyName.SSJF:
         if "max_wait_s" not in config:
             raise ValueError("policy 'ssjf' needs max_wait_s (the aging bound, in seconds)")
-        return SSJFPolicy(config["max_wait_s"])
-    return HRRNPolicy(config.get("max_wait_s", math.inf))
+        return SSJFPolicy(config["max_wait_s"], config.get("aging_tokens", DEFAULT_AGING_TOKENS))
+    return HRRNPolicy(config.get("max_wait_s", math.inf), config.get("aging_tokens", DEFAULT_AGING_TOKENS))
 
 
 __all__ = [
-    "POLICY_NAMES", "PREDICTION_POLICIES", "FCFSPolicy", "HRRNPolicy", "PolicyName", "QueuedRequest",
+    "DEFAULT_AGING_TOKENS", "POLICY_NAMES", "PREDICTION_POLICIES", "FCFSPolicy", "HRRNPolicy", "PolicyName", "QueuedRequest",
     "SSJFPolicy", "SchedulingPolicy", "make_policy", "response_ratio",
 ]

@@ -1,8 +1,8 @@
 """HRRN: highest response ratio next (as in SGLang), on the predicted service time.
 
 A request's response ratio ``(wait + service) / service`` grows without bound while it waits,
-so it is never passed over forever; with a finite ``max_wait_s`` it is also promoted as
-:mod:`treeserve.actors.policy_aging` states, which bounds its wait in seconds.
+so it is never passed over forever; with a finite ``max_wait_s`` it also gets a service-scaled
+aging deadline as :mod:`treeserve.actors.policy_aging` states, which bounds its wait in seconds.
 
 HRRN's order changes with time (two ratios' order flips as both wait), so no static-key heap
 exists: it keeps one FCFS heap per distinct predicted service time and compares the group
@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from treeserve.actors.policy_aging import AgingPolicy
+from treeserve.actors.policy_aging import DEFAULT_AGING_TOKENS, AgingPolicy
 from treeserve.actors.policy_queue import QueuedRequest, Slot
 
 
@@ -31,10 +31,10 @@ def response_ratio(request: QueuedRequest, now: float) -> float:
 
 class HRRNPolicy(AgingPolicy):
     """Highest response ratio first; ties in ratio go to the earlier arrival, then add order.
-    ``max_wait_s`` (default ``math.inf``: no promotion) is the aging bound."""
+    ``max_wait_s`` (default ``math.inf``: no promotion) and ``aging_tokens`` set the aging deadline."""
 
-    def __init__(self, max_wait_s: float = math.inf) -> None:
-        super().__init__(max_wait_s)
+    def __init__(self, max_wait_s: float = math.inf, aging_tokens: float = DEFAULT_AGING_TOKENS) -> None:
+        super().__init__(max_wait_s, aging_tokens)
         # Within one service-time group the oldest request has the highest ratio, so a
         # group is an FCFS heap and only its head competes.
         self._groups: dict[float, list[tuple[float, int, int, str]]] = {}

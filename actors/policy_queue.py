@@ -27,7 +27,7 @@ class QueuedRequest:
 
     ``predicted_len`` is the proxy model's predicted output length in tokens (``None`` when no
     prediction exists; length-aware policies then assume ``max_tokens``, the longest it can
-    be). ``true_len`` is the real output length, known only offline: the SJF oracle of
+    be; ``max_tokens`` also caps any prediction: :attr:`predicted_service`). ``true_len`` is the real output length, known only offline: the SJF oracle of
     ``bench/scheduling.py`` reads it, no serving policy does.
     """
 
@@ -56,10 +56,11 @@ class QueuedRequest:
 
     @property
     def predicted_service(self) -> float:
-        """Predicted output tokens, falling back to ``max_tokens`` without a prediction."""
+        """Predicted output tokens, at most ``max_tokens`` (a request never generates more), and
+        ``max_tokens`` without a prediction."""
         if self.predicted_len is None:
             return float(self.max_tokens)
-        return self.predicted_len
+        return min(self.predicted_len, float(self.max_tokens))
 
 
 class SchedulingPolicy(Protocol):

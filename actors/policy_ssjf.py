@@ -1,33 +1,31 @@
 """SSJF: speculative shortest job first, the order by *predicted* output length, with aging.
 
-Order at time ``now``: first the promoted requests (waited >= ``max_wait_s``) in arrival order
-(:mod:`treeserve.actors.policy_aging`, which states the wait bound), then the rest by
-``predicted_service`` (ties by arrival, then add order). A request without a prediction counts
-as ``max_tokens`` long, the longest it can be.
+Order at time ``now``: first the promoted requests (past their service-scaled aging deadline),
+earliest deadline first (:mod:`treeserve.actors.policy_aging`, which states the wait bound), then
+the rest by ``predicted_service`` (ties by arrival, then add order). A request without a
+prediction counts as ``max_tokens`` long, the longest it can be; a prediction above
+``max_tokens`` counts as ``max_tokens`` (a hard cap).
 """
 
 from __future__ import annotations
 
 import heapq
 
-from treeserve.actors.policy_aging import AgingPolicy
-from treeserve.actors.policy_queue import QueuedRequest, Slot
+from treeserve.actors.policy_aging import DEFAULT_AGING_TOKENS, AgingPolicy
+from treeserve.actors.policy_queue import Slot
 
 
 class SSJFPolicy(AgingPolicy):
-    """Shortest predicted output first, with aging by promotion after ``max_wait_s``.
+    """Shortest predicted output first, with aging by service-scaled deadlines (at most
+    ``max_wait_s`` after arrival, reached from ``aging_tokens`` predicted tokens).
 
-    ``_job_size`` is the length the order sorts by; an offline bound (the SJF oracle of
-    ``bench/scheduling.py``) overrides it to read the true length instead.
+    ``_job_size`` is the length the order (and the deadline) reads; an offline bound (the SJF
+    oracle of ``bench/scheduling.py``) overrides it to read the true length instead.
     """
 
-    def __init__(self, max_wait_s: float) -> None:
-        super().__init__(max_wait_s)
+    def __init__(self, max_wait_s: float, aging_tokens: float = DEFAULT_AGING_TOKENS) -> None:
+        super().__init__(max_wait_s, aging_tokens)
         self._by_size: list[tuple[float, float, int, int, str]] = []
-
-    def _job_size(self, request: QueuedRequest) -> float:
-        """The length the shortest-first order sorts by: the predicted service."""
-        return request.predicted_service
 
     def _index_waiting(self, slot: Slot) -> int:
         request = slot.request

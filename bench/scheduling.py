@@ -20,8 +20,22 @@ for all running requests) driven by that latency model, over Poisson and bursty 
 arrivals at several loads, with jobs from a predictions CSV (``treeserve train-predictor
 --predictions-out``: held-out prompts with true and predicted lengths).
 
+**A known load** (``--at-load 1.3 --burst``; the issue's benchmark): the trace's requests are
+replayed on a real server, first all at once (the *burst*) under FCFS. That first pass gives
+every request's true length (greedy decoding is deterministic) and the server's capacity:
+requests/s while every row is busy, ``N / makespan`` of the burst. Each later row replays the
+same requests (in a seeded shuffled order) as Poisson arrivals at ``load x capacity`` req/s.
+Every row runs ``--policy`` side by side (default fcfs, ssjf, hrrn and the SJF oracle); the
+oracle is the server's ``ssjf`` with a ``lookup`` predictor of the first pass's true lengths
+and no aging (``treeserve.ops.length_predictor.lookup_predictor``). Each row reports mean / p50 /
+p99 JCT, mean and max wait, throughput, the ratios to FCFS and the share of the oracle's mean
+JCT gain that ssjf and hrrn reach; ``--plot`` writes one JCT CDF per row and policy.
+
 Usage::
 
+    python bench/scheduling.py --make-trace bench/data/trace_ssjf.jsonl --num-jobs 32
+    python bench/scheduling.py --trace bench/data/trace_ssjf.jsonl --burst --at-load 1.3 1.0 0.8 \
+        --speculate none --plot bench/out/scheduling_cdf.png --json
     python bench/scheduling.py --trace bench/data/trace_small.jsonl --policy fcfs ssjf --json
     python bench/scheduling.py --calibrate --latency-model bench/out/latency.json
     python bench/scheduling.py --simulate --jobs bench/out/predictions.csv --latency-model bench/out/latency.json
@@ -235,14 +249,17 @@ def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_
 
 def arrivals(kind: str, rate: float, num: int, rng: np.random.Generator, cv: float = 3.0) -> np.ndarray:
     """Arrival times of ``num`` requests at mean ``rate``/s: ``poisson`` or bursty ``gamma``
-    (inter-arrival coefficient of variation ``cv``; ``cv > 1`` means bursts and lulls)."""
+    (inter-arrival coefficient of variation ``cv``; ``cv > 1`` means bursts and lulls), or
+    ``burst`` (all at 0, whatever the rate)."""
+    if kind == "burst":
+        return np.zeros(num)
     if kind == "poisson":
         gaps = rng.exponential(1.0 / rate, num)
     elif kind == "gamma":
         shape = 1.0 / cv**2
         gaps = rng.gamma(shape, 1.0 / (rate * shape), num)
     else:
-        raise ValueError(f"arrival kind must be poisson or gamma, got {kind!r}")
+        raise ValueError(f"arrival kind must be poisson, gamma or burst, got {kind!r}")
     return np.cumsum(gaps) - gaps[0]
 
 
@@ -290,26 +307,37 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: float(e["arrival_s"]))
 
 
-def _server_config(args: argparse.Namespace, policy: str, bind: str) -> Any:
+ORACLE_MAX_WAIT_S = 1e9
+"""The real-server oracle's aging bound: none in effect (the simulator's oracle does not age either)."""
+
+
+def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Path | None = None) -> Any:
     from treeserve.server import ServerConfig
 
+    if oracle is not None:  # the SJF oracle: ssjf over a lookup table of true lengths, no aging
+        return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
+                            scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
+                            online_predictor=False, speculators=() if args.speculate == Speculate.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == Speculate.NONE else None)
 
 
-async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
-    """Replay ``trace`` against a fresh embedded server running ``policy`` (results in trace order)."""
-    return await _replay(args, trace, policy)
+async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
+                 oracle: Path | None = None) -> list[JobResult]:
+    """Replay ``trace`` against a fresh embedded server running ``policy`` (results in trace order);
+    with ``oracle`` (a lookup predictor file) the server runs the SJF oracle instead."""
+    return await _replay(args, trace, policy, oracle)
 
 
-async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str) -> list[JobResult]:
+async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
+                  oracle: Path | None = None) -> list[JobResult]:
     from treeserve.client import Client
     from treeserve.server import Server
 
     with tempfile.TemporaryDirectory(prefix="treeserve-sched-") as tmp:
-        async with Server(_server_config(args, policy, f"ipc://{tmp}/gw.sock")) as server, \
+        async with Server(_server_config(args, policy, f"ipc://{tmp}/gw.sock", oracle)) as server, \
                 Client(server.endpoint) as client:
             await client.generate("Hello", max_tokens=4, speculate=args.speculate)  # warm-up
             loop = asyncio.get_running_loop()
@@ -367,21 +395,126 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     return fits
 
 
-def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0) -> list[dict[str, Any]]:
-    """``num`` prompts drawn at random from the MIT/Apache sets (MT-Bench, HumanEval, GSM8K;
-    fetched by ``bench/data/fetch.py``) with bursty Gamma arrivals (mean ``rate``/s, CV ``cv``)."""
+TRACE_SETS = ("mtbench", "humaneval", "gsm8k")
+"""The sets a committed trace draws from: MIT / Apache-2.0 prompts (``bench/data/fetch.py``)."""
+
+
+def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0,
+               sets: Sequence[str] = TRACE_SETS) -> list[dict[str, Any]]:
+    """``num`` prompts drawn at random from the held-out test split
+    (``treeserve.predictor.is_test_prompt``) of ``sets``, as one-turn chat ``messages``, with
+    bursty Gamma arrivals (mean ``rate``/s, CV ``cv``). The predictor never trained on them."""
+    from treeserve.predictor import is_test_prompt
+
     pool = []
-    for name in ("mtbench", "humaneval", "gsm8k"):
+    for name in sets:
         path = Path(__file__).parent / "data" / f"{name}.jsonl"
         for line in path.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 record = json.loads(line)
-                pool.append((f"{name}/{record['id']}", record["prompt"]))
+                if is_test_prompt(name, str(record["id"])):
+                    pool.append((f"{name}/{record['id']}", record["prompt"]))
+    if num > len(pool):
+        raise ValueError(f"the test split of {', '.join(sets)} holds {len(pool)} prompts, not {num}")
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(pool), size=num, replace=False)
     times = arrivals("gamma", rate, num, rng, cv=cv)
     return [{"arrival_s": round(float(t), 3), "messages": [{"role": "user", "content": pool[p][1]}],
              "max_tokens": max_tokens, "source": pool[p][0]} for p, t in zip(picks, times)]
+
+
+# ---------------------------------------------------------------------------------- known load
+def burst_of(trace: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests, all arriving at 0 (in trace order; ``trace_index`` says which)."""
+    return [{**e, "arrival_s": 0.0, "trace_index": i} for i, e in enumerate(trace)]
+
+
+def at_rate(trace: Sequence[dict[str, Any]], rate: float, seed: int) -> list[dict[str, Any]]:
+    """The same requests in a seeded shuffled order, as Poisson arrivals at ``rate`` req/s."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(trace))
+    times = arrivals("poisson", rate, len(trace), rng)
+    return [{**trace[int(i)], "arrival_s": round(float(t), 3), "trace_index": int(i)} for i, t in zip(order, times)]
+
+
+def capacity_from_burst(results: Sequence[JobResult], num_rows: int) -> float:
+    """Requests/s of a saturated server, from a burst: completions per second up to the
+    ``(N - num_rows)``-th one, while every row is still busy. (``N / makespan`` would count the
+    tail, where fewer requests than rows are left, and underestimate it: on this model's
+    burst of 32 requests on 4 rows that was 0.250 against 0.30-0.33 req/s.)"""
+    finished = sorted(r.finished_s for r in results)
+    start = min(r.arrival_s for r in results)
+    count = max(1, len(finished) - num_rows)
+    return count / max(1e-9, finished[count - 1] - start)
+
+
+def oracle_gain_share(per_policy: dict[str, dict[str, float]], name: str) -> float:
+    """``(FCFS - name) / (FCFS - oracle)`` mean JCT: the share of the oracle's gain ``name`` reaches."""
+    fcfs, oracle = per_policy["fcfs"]["mean_jct_s"], per_policy[SJF_ORACLE]["mean_jct_s"]
+    gain = fcfs - oracle
+    return (fcfs - per_policy[name]["mean_jct_s"]) / gain if gain > 0 else math.nan
+
+
+def write_oracle(args: argparse.Namespace, trace: Sequence[dict[str, Any]], lengths: Sequence[int], path: Path) -> None:
+    """A ``lookup`` predictor of each trace prompt's true length, keyed by the ids the server computes."""
+    from treeserve.models import load_model
+    from treeserve.ops.length_predictor import lookup_predictor
+
+    tokenizer = load_model(args.model).tokenizer
+
+    def ids(entry: dict[str, Any]) -> list[int]:
+        # As the gateway encodes them: special-token text in user content stays text (tokenizers
+        # older than that option encode it the same way for prompts without such text).
+        encode = tokenizer.encode_chat if "messages" in entry else tokenizer.encode
+        text = entry["messages"] if "messages" in entry else entry["prompt"]
+        try:
+            return [int(t) for t in encode(text, split_special_tokens=True)]
+        except TypeError:
+            return [int(t) for t in encode(text)]
+
+    lookup_predictor([ids(e) for e in trace], list(lengths), max(int(e["max_tokens"]) for e in trace)).save(path)
+
+
+def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The burst first pass (FCFS: true lengths and capacity), then every row of ``--at-load``
+    and ``--burst`` with every ``--policy`` (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, dict[str, list[float]]] = {}
+    _log(f"first pass: {len(trace)} requests at once under fcfs")
+    first = asyncio.run(replay(args, burst_of(trace), PolicyName.FCFS.value))
+    lengths = [r.num_tokens for r in first]
+    capacity = capacity_from_burst(first, args.num_rows)
+    _log(f"capacity {capacity:.4f} req/s ({sum(lengths) / len(lengths):.1f} tokens per request on average)")
+    oracle_path = args.oracle_out
+    oracle_path.parent.mkdir(parents=True, exist_ok=True)
+    write_oracle(args, trace, lengths, oracle_path)
+    labels = (["burst"] if args.burst else []) + [f"load {x:g}" for x in args.at_load]
+    for label in labels:
+        load = None if label == "burst" else float(label.split()[1])
+        entries = burst_of(trace) if load is None else at_rate(trace, load * capacity, args.seed)
+        results: dict[str, list[JobResult]] = {}
+        for policy in args.policy:
+            if load is None and policy == PolicyName.FCFS.value:
+                results[policy] = first  # the first pass is this row's FCFS run
+                continue
+            _log(f"{label}: {policy}")
+            results[policy] = asyncio.run(replay(args, entries, policy, oracle_path if policy == SJF_ORACLE else None))
+            _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
+        per_policy = with_ratios({p: summarize(r) for p, r in results.items()})
+        if PolicyName.FCFS.value in per_policy and SJF_ORACLE in per_policy:
+            for name in per_policy:
+                per_policy[name]["share_of_oracle_gain"] = oracle_gain_share(per_policy, name)
+        for name, rs in results.items():  # greedy decoding: every policy should see the first pass's lengths
+            per_policy[name]["num_length_mismatches"] = float(sum(
+                r.num_tokens != lengths[int(e["trace_index"])] for r, e in zip(rs, entries)))
+        rows.append({"row": label, "load": load, "rate_req_per_s": None if load is None else load * capacity,
+                     "policies": per_policy,
+                     "jobs": {p: [asdict(r) for r in rs] for p, rs in results.items()}})
+        curves[label] = {p: [r.jct_s for r in rs] for p, rs in results.items()}
+        _log(f"{label}\n" + _table(per_policy))
+        if args.plot is not None:  # rewritten after every row, so a later failure keeps the plot
+            plot_cdf_rows(curves, args.plot, f"{args.trace.name}, {args.num_rows} rows, max_tokens from the trace")
+    return {"capacity_req_per_s": capacity, "true_lengths": lengths, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -411,14 +544,42 @@ def plot_cdf(curves: dict[str, Sequence[float]], path: Path, title: str) -> bool
     return True
 
 
+def plot_cdf_rows(rows: dict[str, dict[str, Sequence[float]]], path: Path, title: str) -> bool:
+    """One JCT CDF panel per row (burst, each load), one curve per policy, in one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log("matplotlib is not installed (pip install matplotlib); no plot written")
+        return False
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
+    for ax, (label, curves) in zip(axes[0], rows.items()):
+        for name, values in curves.items():
+            xs = np.sort(np.asarray(values))
+            ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=name)
+        ax.set_xlabel("job completion time (s)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _table(per_policy: dict[str, dict[str, float]]) -> str:
     lines = [f"{'policy':<11} {'mean JCT':>9} {'p50':>7} {'p99':>7} {'mean wait':>9} {'max wait':>9} "
-             f"{'req/s':>6} {'tok/s':>7} {'mean/FCFS':>9} {'p99/FCFS':>8}"]
+             f"{'req/s':>6} {'tok/s':>7} {'mean/FCFS':>9} {'p99/FCFS':>8} {'oracle gain':>11}"]
     for name, m in per_policy.items():
         lines.append(f"{name:<11} {m['mean_jct_s']:>9.2f} {m['p50_jct_s']:>7.2f} {m['p99_jct_s']:>7.2f} "
                      f"{m['mean_wait_s']:>9.2f} {m['max_wait_s']:>9.2f} {m['req_per_s']:>6.3f} "
                      f"{m['tokens_per_s']:>7.1f} {m.get('ratio_mean_jct_to_fcfs', math.nan):>9.3f} "
-                     f"{m.get('ratio_p99_jct_to_fcfs', math.nan):>8.3f}")
+                     f"{m.get('ratio_p99_jct_to_fcfs', math.nan):>8.3f} {m.get('share_of_oracle_gain', math.nan):>11.2f}")
     return "\n".join(lines)
 
 
@@ -431,13 +592,21 @@ def _load_latency(args: argparse.Namespace) -> LatencyModel:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
-    parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_small.jsonl")
-    parser.add_argument("--policy", nargs="+", default=[PolicyName.FCFS.value, PolicyName.SSJF.value], choices=[*POLICY_NAMES, SJF_ORACLE],
-                        help=f"{SJF_ORACLE} reads true lengths, so it runs only in the simulator (--simulate)")
+    parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_ssjf.jsonl")
+    parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SJF_ORACLE],
+                        help=f"default: fcfs ssjf (fcfs ssjf hrrn {SJF_ORACLE} with --burst / --at-load); "
+                             f"{SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load or --simulate")
+    parser.add_argument("--burst", action="store_true",
+                        help="known-load mode: replay the trace's requests all at once (also the first pass)")
+    parser.add_argument("--at-load", type=float, nargs="*", default=[],
+                        help="known-load mode: replay them as Poisson arrivals at these multiples of the capacity")
+    parser.add_argument("--oracle-out", type=Path, default=Path("bench/out/sjf_oracle_lookup.npz"),
+                        help="where the known-load mode writes the oracle's lookup predictor")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-rows", type=int, default=4, help="concurrent requests (KV rows)")
     parser.add_argument("--row-capacity", type=int, default=1024)
-    parser.add_argument("--max-wait-s", type=float, default=30.0, help="SSJF/HRRN aging bound")
+    parser.add_argument("--max-wait-s", type=float, default=30.0,
+                        help="SSJF/HRRN aging bound: the latest aging deadline after arrival (the server's default)")
     parser.add_argument("--speculate", default="tree", choices=[m.value for m in Speculate])
     parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
     parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
@@ -452,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=Path, default=None, help="predictions CSV (train-predictor --predictions-out)")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95])
     parser.add_argument("--num-jobs", type=int, default=400)
+    parser.add_argument("--arrival-kinds", nargs="+", default=["poisson", "gamma"], choices=["poisson", "gamma", "burst"],
+                        help="arrival processes of --simulate")
     parser.add_argument("--max-tokens", type=int, default=512, help="max_tokens of simulated jobs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="write a JCT CDF PNG here")
@@ -462,8 +633,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if SJF_ORACLE in args.policy and not args.simulate:
-        parser.error(f"--policy {SJF_ORACLE} needs --simulate: a server cannot know true output lengths")
+    known_load = args.burst or bool(args.at_load)
+    if args.policy is None:
+        args.policy = ([PolicyName.FCFS.value, PolicyName.SSJF.value, PolicyName.HRRN.value, SJF_ORACLE] if known_load
+                       else [PolicyName.FCFS.value, PolicyName.SSJF.value])
+    if SJF_ORACLE in args.policy and not (args.simulate or known_load):
+        parser.error(f"--policy {SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load, or --simulate")
     out: dict[str, Any] = {}
     if args.make_trace is not None:
         entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed)
@@ -476,6 +651,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.latency_model is not None:
             args.latency_model.parent.mkdir(parents=True, exist_ok=True)
             args.latency_model.write_text(json.dumps(fits, indent=1), encoding="utf-8")
+    elif known_load:
+        trace = read_trace(args.trace)
+        out["known_load"] = run_known_loads(args, trace)
+        out["config"] = {"trace": str(args.trace), "num_rows": args.num_rows, "speculate": args.speculate,
+                         "max_wait_s": args.max_wait_s, "model": args.model, "seed": args.seed,
+                         "predictor": args.predictor or "shipped", "online_predictor": not args.no_online_predictor}
     elif args.simulate:
         latency = LatencyModel() if args.latency_model is None else _load_latency(args)
         if args.jobs is None:
@@ -483,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = read_jobs_csv(args.jobs, args.max_tokens)
         policies = list(dict.fromkeys([*args.policy, SSJF_MAX_TOKENS, SJF_ORACLE]))
         rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
-                     loads=args.loads, num_jobs=args.num_jobs, seed=args.seed)
+                     loads=args.loads, num_jobs=args.num_jobs, seed=args.seed, kinds=args.arrival_kinds)
         out["simulation"] = {"latency_model": asdict(latency), "num_rows": args.num_rows, "sweep": rows}
         out["policies"] = rows[-1]["policies"]
         for row in rows:

@@ -1,7 +1,7 @@
 """Output-length proxy model for SSJF: predicts how many tokens the served model will generate.
 
-A :class:`Predictor` is a ridge-regression head on ``log1p(output tokens)`` over one of three
-feature sets (:class:`FeatureSpec`):
+A :class:`Predictor` is a linear head whose score estimates ``log1p(output tokens)``, over one of
+these feature sets (:class:`FeatureSpec`):
 
 * ``hidden``: the prompt's hidden states after the served model's first ``num_layers`` blocks
   (run through ``Transformer.truncated``, final norm applied), mean-pooled over the prompt and
@@ -10,10 +10,16 @@ feature sets (:class:`FeatureSpec`):
 * ``tokens``: a hashed set (0/1 presence) of prompt token ids (``num_buckets`` buckets) plus
   ``log1p(prompt length)``. No model; microseconds, so it can run in the scheduler itself.
 * ``prompt_len``: ``log1p(prompt length)`` alone, the baseline the issue compares against.
+* ``lookup``: not a model but an offline oracle: the recorded true length of known prompts
+  (by a hash of their ids), ``max_tokens`` for any other. ``bench/scheduling.py`` writes one
+  from a first pass so a real server can run the SJF oracle through the same predictor actor.
 
-:func:`fit_predictor` standardises features and picks the ridge strength by k-fold
-cross-validation; :func:`evaluate` gives held-out metrics (MAE in tokens, bucket accuracy,
-Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus one JSON metadata string; no
+Two heads (``Predictor.head``): ``ridge`` (:func:`fit_predictor`, ridge regression on
+``log1p(length)``, its strength chosen by k-fold cross-validation) and ``rank``
+(:func:`fit_rank_predictor`: the ridge solution refined by a pairwise ranking loss, because
+SSJF needs the order of jobs, not their lengths, then rescaled by least squares so the score
+still estimates ``log1p(length)``). :func:`evaluate` gives held-out metrics (MAE in tokens,
+bucket accuracy, Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus one JSON metadata string; no
 pickle). :class:`OnlineHead` refines a trained head from completed requests at bounded cost.
 Training on recorded lengths and the ``treeserve train-predictor`` command are in
 :mod:`treeserve.predictor`.
@@ -21,6 +27,7 @@ Training on recorded lengths and the ``treeserve train-predictor`` command are i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import deque
@@ -35,12 +42,14 @@ import numpy as np
 if TYPE_CHECKING:
     from treeserve.ops.model import Transformer
 
-FEATURE_KINDS = ("hidden", "tokens", "prompt_len")
+FEATURE_KINDS = ("hidden", "tokens", "prompt_len", "lookup")
+HEADS = ("ridge", "rank")
 DEFAULT_PREDICTOR_FILE = "data/predictor_smollm2-135m-instruct.npz"
 BUCKET_EDGES = (64, 128, 256, 512)
 """Bucket ``i`` holds lengths in ``[edges[i-1], edges[i])``; the last bucket is ``>= 512`` (capped)."""
 DEFAULT_ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1: ridge heads without "head" or lookup tables
 
 
 class PredictorError(ValueError):
@@ -66,6 +75,17 @@ class FeatureSpec:
     def needs_model(self) -> bool:
         """Whether computing the features runs the served model's first layers."""
         return self.kind == "hidden"
+
+    @property
+    def is_lookup(self) -> bool:
+        """Whether this is the ``lookup`` oracle (a table of known lengths, nothing learnt)."""
+        return self.kind == "lookup"
+
+
+def prompt_key(prompt_ids: Sequence[int]) -> float:
+    """A 52-bit hash of the prompt's ids as a float (exact in float64): the ``lookup`` key."""
+    digest = hashlib.sha256(np.asarray(prompt_ids, dtype=np.int64).tobytes()).digest()
+    return float(int.from_bytes(digest[:8], "big") >> 12)
 
 
 # ---------------------------------------------------------------------------------- features
@@ -116,6 +136,8 @@ def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | 
         return np.array([math.log1p(len(prompt_ids))])
     if spec.kind == "tokens":
         return token_features(prompt_ids, spec.num_buckets)
+    if spec.kind == "lookup":
+        return np.array([prompt_key(prompt_ids)])
     if model is None:
         raise PredictorError("hidden features need the served model (pass model=...)")
     if model.config.num_layers != spec.num_layers:
@@ -178,10 +200,13 @@ def _ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, floa
 
 @dataclass
 class Predictor:
-    """A trained length predictor: standardisation, ridge weights and metadata.
+    """A trained length predictor: standardisation, linear weights and metadata.
 
     ``predict_features(x)`` returns predicted output tokens clipped to ``[1, max_tokens]``
-    (``max_tokens``: the generation cap of the training data). ``meta`` records provenance.
+    (``max_tokens``: the generation cap of the training data). ``head`` says how the weights
+    were fit (:data:`HEADS`); either way ``z @ weights + intercept`` estimates ``log1p(length)``.
+    A ``lookup`` predictor instead maps :func:`prompt_key` values (``table_keys``) to recorded
+    lengths (``table_lengths``). ``meta`` records provenance.
     """
 
     spec: FeatureSpec
@@ -191,11 +216,28 @@ class Predictor:
     intercept: float
     max_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
+    head: str = "ridge"
+    table_keys: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    table_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
     _truncated: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise PredictorError(f"head must be one of {HEADS}, got {self.head!r}")
 
     def predict_features(self, x: np.ndarray) -> np.ndarray | float:
         """Predicted output tokens for one feature vector ``(F,)`` (a float) or a batch ``(N, F)``."""
-        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.scale
+        x = np.asarray(x, dtype=np.float64)
+        if self.spec.is_lookup:
+            keys = x[..., 0].reshape(-1)  # (N,)
+            found = np.full(keys.shape, float(self.max_tokens))
+            if self.table_keys.size:
+                where = np.searchsorted(self.table_keys, keys).clip(0, self.table_keys.size - 1)
+                known = self.table_keys[where] == keys
+                found[known] = self.table_lengths[where[known]]
+            out = np.clip(found, 1.0, float(self.max_tokens))
+            return float(out[0]) if x.ndim == 1 else out
+        z = (x - self.mean) / self.scale
         log_len = z @ self.weights + self.intercept
         out = np.clip(np.expm1(log_len), 1.0, float(self.max_tokens))
         return float(out) if np.ndim(out) == 0 else out
@@ -227,10 +269,12 @@ class Predictor:
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
         meta = {"format_version": _FORMAT_VERSION, "spec": self.spec.__dict__, "max_tokens": self.max_tokens,
-                "intercept": self.intercept, **{"meta": self.meta}}
+                "intercept": self.intercept, "head": self.head, **{"meta": self.meta}}
         with Path(path).open("wb") as handle:
+            # Lookup keys are 52-bit integers: float64 keeps them exact.
             np.savez_compressed(handle, mean=self.mean.astype(np.float32), scale=self.scale.astype(np.float32),
-                                weights=self.weights.astype(np.float32), meta=np.array(json.dumps(meta)))
+                                weights=self.weights.astype(np.float32), table_keys=self.table_keys.astype(np.float64),
+                                table_lengths=self.table_lengths.astype(np.float32), meta=np.array(json.dumps(meta)))
 
 
 def load_predictor(path: str | Path | None = None) -> Predictor:
@@ -242,13 +286,29 @@ def load_predictor(path: str | Path | None = None) -> Predictor:
             handle = Path(path).open("rb")
         with handle, np.load(handle, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
-            arrays = {k: data[k].astype(np.float64) for k in ("mean", "scale", "weights")}
+            names = ("mean", "scale", "weights", "table_keys", "table_lengths")
+            arrays = {k: data[k].astype(np.float64) for k in names if k in data.files}
     except (OSError, KeyError, ValueError) as exc:
         raise PredictorError(f"cannot load predictor {path or DEFAULT_PREDICTOR_FILE}: {exc}") from exc
-    if meta.get("format_version") != _FORMAT_VERSION:
+    if meta.get("format_version") not in _READABLE_VERSIONS:
         raise PredictorError(f"unsupported predictor format {meta.get('format_version')!r}")
+    empty = np.zeros(0)
     return Predictor(FeatureSpec(**meta["spec"]), arrays["mean"], arrays["scale"], arrays["weights"],
-                     float(meta["intercept"]), int(meta["max_tokens"]), meta.get("meta", {}))
+                     float(meta["intercept"]), int(meta["max_tokens"]), meta.get("meta", {}),
+                     head=str(meta.get("head", "ridge")), table_keys=arrays.get("table_keys", empty),
+                     table_lengths=arrays.get("table_lengths", empty))
+
+
+def lookup_predictor(prompts: Sequence[Sequence[int]], lengths: Sequence[int], max_tokens: int) -> Predictor:
+    """The ``lookup`` oracle: each prompt's recorded length (``max_tokens`` for unknown prompts)."""
+    if len(prompts) != len(lengths):
+        raise PredictorError(f"need one length per prompt, got {len(prompts)} prompts and {len(lengths)} lengths")
+    table = {prompt_key(p): float(n) for p, n in zip(prompts, lengths)}
+    keys = np.array(sorted(table), dtype=np.float64)
+    one = np.ones(1)
+    return Predictor(FeatureSpec("lookup"), np.zeros(1), one, np.zeros(1), 0.0, max_tokens,
+                     {"num_prompts": len(table), "purpose": "offline SJF oracle (true lengths)"},
+                     table_keys=keys, table_lengths=np.array([table[k] for k in keys]))
 
 
 def fit_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
@@ -271,6 +331,73 @@ def fit_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tok
             best_alpha, best_err = alpha, err
     w, b = _ridge(z, y, best_alpha)
     return Predictor(spec, mean, scale, w, b, max_tokens, {"alpha": best_alpha, "num_train": int(y.size)})
+
+
+def pairwise_rank_loss(scores: np.ndarray, log_lengths: np.ndarray) -> tuple[float, np.ndarray]:
+    """Weighted pairwise logistic loss of ``scores`` ``(N,)`` against the true order, and its gradient.
+
+    Every pair with ``log_lengths[j] > log_lengths[i]`` adds
+    ``|Δ log length| * log(1 + exp(-(s_j - s_i)))``, normalised by the total weight: pairs far
+    apart in length matter most, tied pairs (two capped answers) not at all.
+    """
+    diff_y = log_lengths[None, :] - log_lengths[:, None]  # (N, N): > 0 where j is longer than i
+    weight = np.where(diff_y > 0, diff_y, 0.0)
+    total = float(weight.sum())
+    if total == 0.0:
+        return 0.0, np.zeros_like(scores)
+    margin = scores[None, :] - scores[:, None]  # (N, N): s_j - s_i
+    loss = float((weight * np.logaddexp(0.0, -margin)).sum()) / total
+    g = weight * (0.5 * (1.0 - np.tanh(0.5 * margin))) / total  # weight * sigmoid(-margin) / total
+    grad = g.sum(axis=1) - g.sum(axis=0)  # d/ds_i: +g_ij (s_i raises the loss), d/ds_j: -g_ij
+    return loss, grad
+
+
+def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
+                       l2: Sequence[float] = (0.1, 1.0, 10.0), num_steps: int = 150, lr: float = 0.05,
+                       max_pairs_n: int = 3000, seed: int = 0) -> Predictor:
+    """A ``rank`` head: the ridge head of :func:`fit_predictor`, refined by Adam on
+    :func:`pairwise_rank_loss` (plus ``l2 * |w - w_ridge|^2``), then rescaled by least squares so
+    that the score estimates ``log1p(length)`` again (the order is unchanged by a positive scale).
+
+    The L2 strength is chosen on an inner 80/20 split by Kendall's tau. At most ``max_pairs_n``
+    examples (a seeded subsample) enter the O(N^2) pair loss per step; all enter the rescale.
+    """
+    x, lengths = np.asarray(x, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
+    ridge = fit_predictor(x, lengths, spec, max_tokens, seed=seed)
+    z = (x - ridge.mean) / ridge.scale
+    y = np.log1p(lengths)
+    rng = np.random.default_rng(seed)
+
+    def refine(idx: np.ndarray, strength: float) -> np.ndarray:
+        w0 = ridge.weights.copy()
+        w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+        sub = idx if idx.size <= max_pairs_n else rng.choice(idx, max_pairs_n, replace=False)
+        zs, ys = z[sub], y[sub]
+        for step in range(1, num_steps + 1):
+            _, grad_s = pairwise_rank_loss(zs @ w, ys)
+            grad = zs.T @ grad_s + 2.0 * strength * (w - w0)
+            m = 0.9 * m + 0.1 * grad
+            v = 0.999 * v + 0.001 * grad**2
+            w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+        return w
+
+    order = rng.permutation(y.size)
+    inner_val, inner_train = order[: y.size // 5], order[y.size // 5:]
+    best_strength, best_tau = l2[0], -math.inf
+    if len(l2) > 1 and inner_val.size >= 10:
+        for strength in l2:
+            tau = kendall_tau(z[inner_val] @ refine(inner_train, strength), lengths[inner_val])
+            if tau > best_tau:
+                best_strength, best_tau = strength, tau
+    w = refine(np.arange(y.size), best_strength)
+    score = z @ w
+    centred = score - score.mean()
+    slope = float(centred @ (y - y.mean()) / max(float(centred @ centred), 1e-12))
+    if not slope > 0:  # a score that anti-correlates with length: keep the ridge head
+        return ridge
+    intercept = float(y.mean() - slope * score.mean())
+    meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, "num_steps": num_steps}
+    return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, meta, head="rank")
 
 
 class OnlineHead:

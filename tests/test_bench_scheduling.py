@@ -192,3 +192,43 @@ def test_the_oracle_runs_only_in_the_simulator() -> None:
     with pytest.raises(SystemExit):
         sched.main(["--policy", "sjf-oracle"])
     assert "sjf-oracle" not in sched.POLICY_NAMES and set(sched.POLICY_NAMES) < set(sched.SIMULATED_POLICIES)
+
+
+# ------------------------------------------------------------------ the known-load mode's pieces
+SHIPPED_TRACE = SCHEDULING_PY.parent / "data" / "trace_ssjf.jsonl"
+
+
+def test_burst_and_rate_replays_keep_every_request_once() -> None:
+    trace = sched.read_trace(SHIPPED_TRACE)
+    burst = sched.burst_of(trace)
+    assert [e["arrival_s"] for e in burst] == [0.0] * len(trace)
+    assert [e["trace_index"] for e in burst] == list(range(len(trace)))
+    paced = sched.at_rate(trace, 0.5, seed=3)
+    assert sorted(e["trace_index"] for e in paced) == list(range(len(trace)))
+    assert [e["messages"] for e in paced] == [trace[e["trace_index"]]["messages"] for e in paced]
+    times = [e["arrival_s"] for e in paced]
+    assert times == sorted(times) and times[0] == 0.0
+    many = sched.at_rate([trace[0]] * 4000, 0.5, seed=1)  # the rate really is the one asked for
+    assert 4000 / many[-1]["arrival_s"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_the_shipped_trace_is_chat_messages_from_the_test_split() -> None:
+    from treeserve.predictor import is_test_prompt
+
+    trace = sched.read_trace(SHIPPED_TRACE)
+    assert len(trace) >= 32 and all("messages" in e and e["max_tokens"] == 256 for e in trace)
+    for e in trace:
+        dataset, _, prompt_id = e["source"].partition("/")
+        assert dataset in sched.TRACE_SETS and is_test_prompt(dataset, prompt_id), e["source"]
+
+
+def test_capacity_and_oracle_gain_share() -> None:
+    # 4 jobs on 2 rows: the busy period ends at the 2nd completion (t=10); the tail is not counted.
+    burst = [sched.JobResult(0.0, 0.0, t, 5) for t in (5.0, 10.0, 30.0, 60.0)]
+    assert sched.capacity_from_burst(burst, num_rows=2) == pytest.approx(2 / 10.0)
+    assert sched.capacity_from_burst(burst[:1], num_rows=2) == pytest.approx(1 / 5.0)
+    table = {"fcfs": {"mean_jct_s": 100.0}, "ssjf": {"mean_jct_s": 80.0}, "sjf-oracle": {"mean_jct_s": 75.0}}
+    assert sched.oracle_gain_share(table, "ssjf") == pytest.approx(0.8)
+    assert sched.oracle_gain_share(table, "fcfs") == 0.0
+    table["sjf-oracle"]["mean_jct_s"] = 100.0  # no gain to share
+    assert math.isnan(sched.oracle_gain_share(table, "ssjf"))

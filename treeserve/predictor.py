@@ -1,10 +1,13 @@
 """Training the SSJF output-length predictor, and the ``treeserve train-predictor`` command.
 
-The predictor itself (features, the ridge head, ``load_predictor``, ``OnlineHead``) lives below
-the actors, in :mod:`treeserve.ops.length_predictor`, and its names are re-exported here.
-:func:`train_predictor` reports cross-validated held-out metrics of the saved feature set and
-of every compared one, on prompts recorded by ``bench/predictor_data.py``
-(:func:`load_length_data`). ``main`` is the ``treeserve train-predictor`` entry point.
+The predictor itself (features, the ridge and rank heads, ``load_predictor``, ``OnlineHead``)
+lives below the actors, in :mod:`treeserve.ops.length_predictor`, and its names are re-exported
+here. :func:`train_predictor` reports held-out metrics of the saved feature set and of every
+compared one, on prompts recorded by ``bench/predictor_data.py`` (:func:`load_length_data`):
+either k-fold cross-validated, or, with ``test``, on a held-out test split that no head is fit
+on. :func:`is_test_prompt` is that split (a hash of the prompt's set and id, so the benchmark
+traces draw their prompts from it and never from training data). ``main`` is the
+``treeserve train-predictor`` entry point.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from treeserve.ops.length_predictor import (
     DEFAULT_ALPHAS,
     DEFAULT_PREDICTOR_FILE,
     FEATURE_KINDS,
+    HEADS,
     FeatureSpec,
     OnlineHead,
     Predictor,
@@ -34,8 +38,10 @@ from treeserve.ops.length_predictor import (
     evaluate,
     features,
     fit_predictor,
+    fit_rank_predictor,
     kendall_tau,
     load_predictor,
+    lookup_predictor,
     pooled_hidden_features,
     prompt_hidden,
     token_features,
@@ -49,6 +55,8 @@ __all__ = [
     "DEFAULT_ALPHAS",
     "DEFAULT_PREDICTOR_FILE",
     "FEATURE_KINDS",
+    "HEADS",
+    "TEST_FRACTION",
     "FeatureSpec",
     "LengthExample",
     "OnlineHead",
@@ -61,10 +69,14 @@ __all__ = [
     "feature_matrix",
     "features",
     "fit_predictor",
+    "fit_head",
+    "fit_rank_predictor",
     "held_out_by_dataset",
+    "is_test_prompt",
     "kendall_tau",
     "load_length_data",
     "load_predictor",
+    "lookup_predictor",
     "main",
     "pooled_hidden_features",
     "prompt_hidden",
@@ -78,6 +90,18 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------- data
+TEST_FRACTION = 0.2
+"""Share of every prompt set held out as test prompts (:func:`is_test_prompt`)."""
+
+
+def is_test_prompt(dataset: str, prompt_id: str) -> bool:
+    """Whether ``(dataset, id)`` is in the held-out test split: about :data:`TEST_FRACTION` of
+    every set, fixed by a hash (no seed, no file). The predictor never trains on these, and the
+    scheduling benchmark's traces take their prompts only from them."""
+    digest = hashlib.sha256(f"{dataset}/{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") < TEST_FRACTION * 2**32
+
+
 @dataclass(frozen=True)
 class LengthExample:
     """One recorded prompt: where it came from, its chat-templated ids and the real output length."""
@@ -103,13 +127,24 @@ def read_length_csv(path: str | Path) -> tuple[dict[str, Any], list[dict[str, st
     return header, list(csv.DictReader(body))
 
 
-def load_length_data(csv_path: str | Path, prompts_dir: str | Path, tokenizer: Any) -> tuple[dict[str, Any], list[LengthExample]]:
-    """Join the CSV rows with the fetched prompt files (``<prompts_dir>/<dataset>.jsonl``) by id.
+def load_length_data(csv_path: str | Path | Sequence[str | Path], prompts_dir: str | Path,
+                     tokenizer: Any) -> tuple[dict[str, Any], list[LengthExample]]:
+    """Join the CSV rows (one file or several) with the prompt files (``<prompts_dir>/<dataset>.jsonl``) by id.
 
     Each prompt is checked against the row's ``prompt_sha256`` and re-tokenized with the chat
-    template; a row whose prompt is missing or differs raises :class:`PredictorError`.
+    template; a row whose prompt is missing or differs raises :class:`PredictorError`. The
+    header returned is the first file's; a later file's ``max_tokens`` must agree with it.
     """
-    header, rows = read_length_csv(csv_path)
+    paths = [csv_path] if isinstance(csv_path, str | Path) else list(csv_path)
+    header: dict[str, Any] = {}
+    rows: list[dict[str, str]] = []
+    for path in paths:
+        file_header, file_rows = read_length_csv(path)
+        if header and file_header.get("max_tokens") != header.get("max_tokens"):
+            raise PredictorError(f"{path} was recorded with max_tokens {file_header.get('max_tokens')}, "
+                                 f"not {header.get('max_tokens')}")
+        header = header or file_header
+        rows.extend(file_rows)
     prompts: dict[tuple[str, str], str] = {}
     for dataset in sorted({r["dataset"] for r in rows}):
         path = Path(prompts_dir) / f"{dataset}.jsonl"
@@ -151,12 +186,43 @@ def spec_name(spec: FeatureSpec) -> str:
     return f"tokens@{spec.num_buckets}" if spec.kind == "tokens" else "prompt_len"
 
 
-def feature_matrix(spec: FeatureSpec, examples: Sequence[LengthExample], model: Transformer | None) -> tuple[np.ndarray, float]:
-    """Features of every example ``(N, F)`` and the mean seconds per prompt it took."""
+def feature_matrix(spec: FeatureSpec, examples: Sequence[LengthExample], model: Transformer | None,
+                   cache_dir: Path | None = None) -> tuple[np.ndarray, float]:
+    """Features of every example ``(N, F)`` and the mean seconds per prompt they took.
+
+    With ``cache_dir``, features are also kept in ``<cache_dir>/<spec>.npz`` by a hash of each
+    prompt's ids, and reused on a later call (the seconds are then the recorded ones).
+    """
     truncated = model.truncated(spec.num_layers) if spec.needs_model and model is not None else None
-    started = time.perf_counter()
-    rows = [features(spec, e.prompt_ids, truncated) for e in examples]
-    return np.stack(rows), (time.perf_counter() - started) / max(1, len(examples))
+    keys = [hashlib.sha256(np.asarray(e.prompt_ids, dtype=np.int64).tobytes()).hexdigest() for e in examples]
+    cached: dict[str, np.ndarray] = {}
+    seconds_per_prompt = None
+    path = None if cache_dir is None else cache_dir / f"features_{spec_name(spec).replace('@', '_')}.npz"
+    if path is not None and path.exists():
+        with np.load(path, allow_pickle=False) as data:
+            cached = dict(zip([str(k) for k in data["keys"]], data["x"]))
+            seconds_per_prompt = float(data["seconds_per_prompt"])
+    missing = [i for i, k in enumerate(keys) if k not in cached]
+    if missing:
+        started = time.perf_counter()
+        for i in missing:
+            cached[keys[i]] = features(spec, examples[i].prompt_ids, truncated)
+        seconds_per_prompt = (time.perf_counter() - started) / len(missing)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, keys=np.array(list(cached)), x=np.stack(list(cached.values())),
+                     seconds_per_prompt=np.array(seconds_per_prompt))
+    return np.stack([cached[k] for k in keys]), float(seconds_per_prompt or 0.0)
+
+
+def fit_head(head: str, x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
+             alphas: Sequence[float] = DEFAULT_ALPHAS, seed: int = 0) -> Predictor:
+    """Fit a ``ridge`` or ``rank`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
+    if head == "ridge":
+        return fit_predictor(x, lengths, spec, max_tokens, alphas=alphas, seed=seed)
+    if head == "rank":
+        return fit_rank_predictor(x, lengths, spec, max_tokens, seed=seed)
+    raise PredictorError(f"head must be one of {HEADS}, got {head!r}")
 
 
 def train_predictor(
@@ -169,6 +235,9 @@ def train_predictor(
     num_folds: int = 5,
     seed: int = 0,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
+    head: str = "ridge",
+    test: Sequence[LengthExample] = (),
+    cache_dir: Path | None = None,
 ) -> TrainReport:
     """Train the predictor of ``spec``; measure it and each ``compare`` spec on held-out prompts.
 
@@ -177,8 +246,14 @@ def train_predictor(
     strength chosen by an inner CV there), and :func:`evaluate` scores the pooled out-of-fold
     predictions, so every example is a held-out prompt exactly once (plus ``feature_ms``: mean
     feature cost per prompt). The returned predictor is then fit on all examples. ``hidden``
-    specs need ``model``.
+    specs need ``model``. ``head`` picks the head (:func:`fit_head`; the compared specs use it
+    too). With ``test`` examples, no cross-validation runs: every head is fit on ``examples``
+    once and the held-out figures are its predictions on ``test`` (``held_out_predictions`` and
+    ``test_indices`` then index ``test``); ``fit_s`` records the saved head's training time.
     """
+    if test:
+        return _train_with_test_split(examples, test, spec, model=model, compare=compare, max_tokens=max_tokens,
+                                      seed=seed, alphas=alphas, head=head, cache_dir=cache_dir)
     if num_folds < 2:
         raise PredictorError(f"num_folds must be >= 2, got {num_folds}")
     if len(examples) < 2 * num_folds:
@@ -190,18 +265,47 @@ def train_predictor(
     final: Predictor | None = None
     specs = [spec] + [s for s in compare if s != spec]
     for current in specs:
-        x, seconds = feature_matrix(current, examples, model)
+        x, seconds = feature_matrix(current, examples, model, cache_dir)
         predicted = np.zeros(len(examples))
         for k in range(num_folds):
-            fitted = fit_predictor(x[folds != k], lengths[folds != k], current, max_tokens, alphas=alphas, seed=seed)
+            fitted = fit_head(head, x[folds != k], lengths[folds != k], current, max_tokens, alphas=alphas, seed=seed)
             predicted[folds == k] = np.asarray(fitted.predict_features(x[folds == k]))
         predictions[spec_name(current)] = predicted
         held_out[spec_name(current)] = {**evaluate(predicted, lengths), "feature_ms": 1000 * seconds}
         if current == spec:
-            final = fit_predictor(x, lengths, current, max_tokens, alphas=alphas, seed=seed)
+            final = fit_head(head, x, lengths, current, max_tokens, alphas=alphas, seed=seed)
             final.meta["held_out"] = held_out[spec_name(current)]
     assert final is not None
     return TrainReport(final, held_out, len(examples), num_folds, np.arange(len(examples)), predictions)
+
+
+def _train_with_test_split(examples: Sequence[LengthExample], test: Sequence[LengthExample], spec: FeatureSpec, *,
+                           model: Transformer | None, compare: Sequence[FeatureSpec], max_tokens: int, seed: int,
+                           alphas: Sequence[float], head: str, cache_dir: Path | None) -> TrainReport:
+    """:func:`train_predictor` with a held-out test split (see there)."""
+    train_ids = {(e.dataset, e.id) for e in examples}
+    if any((e.dataset, e.id) in train_ids for e in test):
+        raise PredictorError("a test prompt is also a training prompt")
+    lengths = np.array([e.num_output_tokens for e in examples], dtype=np.float64)
+    test_lengths = np.array([e.num_output_tokens for e in test], dtype=np.float64)
+    held_out: dict[str, dict[str, float]] = {}
+    predictions: dict[str, np.ndarray] = {}
+    final: Predictor | None = None
+    for current in [spec] + [s for s in compare if s != spec]:
+        x, seconds = feature_matrix(current, examples, model, cache_dir)
+        x_test, _ = feature_matrix(current, test, model, cache_dir)
+        started = time.perf_counter()
+        fitted = fit_head(head, x, lengths, current, max_tokens, alphas=alphas, seed=seed)
+        fit_s = time.perf_counter() - started
+        predicted = np.asarray(fitted.predict_features(x_test))
+        predictions[spec_name(current)] = predicted
+        held_out[spec_name(current)] = {**evaluate(predicted, test_lengths), "feature_ms": 1000 * seconds,
+                                        "fit_s": fit_s}
+        if current == spec:
+            final = fitted
+            final.meta["held_out"] = held_out[spec_name(current)]
+    assert final is not None
+    return TrainReport(final, held_out, len(examples), 0, np.arange(len(test)), predictions)
 
 
 def _parse_spec(text: str, num_buckets: int) -> FeatureSpec:
@@ -213,21 +317,36 @@ def _parse_spec(text: str, num_buckets: int) -> FeatureSpec:
     return FeatureSpec(kind)
 
 
+DEFAULT_DATA = (Path("bench/data/predictor_lengths_256.csv"), Path("bench/data/predictor_lengths_256_bf16.csv"),
+                Path("bench/out/predictor_lengths_256_alpacaeval.csv"),
+                Path("bench/out/predictor_lengths_256_alpacaeval_bf16.csv"))
+"""The shipped predictor's data (``bench/predictor_data.py``, float32 and bfloat16 runs): the
+committed CSVs and the AlpacaEval rows (CC BY-NC, in the ignored ``bench/out/``)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``treeserve train-predictor`` flags."""
-    parser.add_argument("--data", type=Path, default=Path("bench/data/predictor_lengths.csv"),
-                        help="CSV written by bench/predictor_data.py")
+    parser.add_argument("--data", type=Path, nargs="+", default=None,
+                        help="CSVs written by bench/predictor_data.py (default: "
+                             + " ".join(str(p) for p in DEFAULT_DATA) + ", those that exist)")
     parser.add_argument("--prompts-dir", type=Path, default=Path("bench/data"),
-                        help="folder with the fetched <dataset>.jsonl prompt files")
+                        help="folder with the <dataset>.jsonl prompt files (fetch.py, synthetic.py)")
     parser.add_argument("--features", default="hidden@4",
                         help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
-    parser.add_argument("--compare", nargs="*", default=["prompt_len", "tokens@1024", "hidden@4", "hidden@30"],
-                        help="other feature specs to report on the held-out split")
+    parser.add_argument("--head", default="rank", choices=HEADS,
+                        help="rank: pairwise ranking loss on top of ridge; ridge: regression on log length")
+    parser.add_argument("--compare", nargs="*", default=["prompt_len", "tokens@1024"],
+                        help="other feature specs to report on the held-out prompts")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="report k-fold cross-validation over all prompts instead of the held-out test split "
+                             "(treeserve.predictor.is_test_prompt); the saved head is then fit on every prompt")
+    parser.add_argument("--features-cache", type=Path, default=Path("bench/out/predictor_features"),
+                        help="keep computed features here, by prompt hash, for reruns")
     parser.add_argument("--out", type=Path, default=None, help="where to save the .npz (default: do not save)")
     parser.add_argument("--predictions-out", type=Path, default=None,
                         help="write the held-out prompts' true and predicted lengths here (CSV)")
     parser.add_argument("--model", default=None, help="served model (default: the default model)")
-    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds of the held-out figures")
+    parser.add_argument("--folds", type=int, default=5, help="folds of --cross-validate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -247,8 +366,10 @@ def held_out_by_dataset(examples: Sequence[LengthExample], report: TrainReport,
 
 
 def write_predictions(path: Path, examples: Sequence[LengthExample], report: TrainReport) -> None:
-    """CSV of every prompt's true length and out-of-fold predictions (one column per compared
-    spec; ``predicted_len`` is the saved spec's), as ``bench/scheduling.py --jobs`` reads it."""
+    """CSV of every held-out prompt's true length and predictions (one column per compared
+    spec; ``predicted_len`` is the saved spec's), as ``bench/scheduling.py --jobs`` reads it.
+    ``examples`` are the prompts the predictions refer to (the test split, or all prompts for
+    cross-validation)."""
     names = list(report.held_out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8", newline="") as handle:
@@ -271,38 +392,61 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model_name = args.model or DEFAULT_MODEL
     loaded = load_model(model_name)
-    header, examples = load_length_data(args.data, args.prompts_dir, loaded.tokenizer)
+    data = args.data or [p for p in DEFAULT_DATA if p.exists()]
+    header, examples = load_length_data(data, args.prompts_dir, loaded.tokenizer)
     spec = _parse_spec(args.features, 1024)
     compare = [_parse_spec(s, 1024) for s in args.compare]
-    report = train_predictor(examples, spec, model=loaded.model, compare=compare,
-                             max_tokens=int(header.get("max_tokens", 512)), num_folds=args.folds, seed=args.seed)
+    test = [] if args.cross_validate else [e for e in examples if is_test_prompt(e.dataset, e.id)]
+    train = examples if args.cross_validate else [e for e in examples if not is_test_prompt(e.dataset, e.id)]
+    common = {"model": loaded.model, "max_tokens": int(header.get("max_tokens", 512)), "num_folds": args.folds,
+              "seed": args.seed, "test": test, "cache_dir": args.features_cache}
+    started = time.perf_counter()
+    report = train_predictor(train, spec, compare=compare, head=args.head, **common)
+    seconds = time.perf_counter() - started
+    if args.head != "ridge":  # the same features under plain regression: what the ranking loss adds
+        ridge = train_predictor(train, spec, head="ridge", **common)
+        report.held_out[f"{spec_name(spec)}/ridge"] = ridge.held_out[spec_name(spec)]
+        report.held_out_predictions[f"{spec_name(spec)}/ridge"] = ridge.held_out_predictions[spec_name(spec)]
     spec_obj = REGISTRY.get(model_name)
     report.predictor.meta.update({
-        "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "data": str(args.data), "data_provenance": header, "num_examples": len(examples),
+        "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": args.head,
+        "data": [str(p) for p in data], "data_provenance": header, "num_examples": len(examples),
+        "num_train": len(train), "num_test": len(test), "train_sets": sorted({e.dataset for e in train}),
+        "split": "cross-validation" if args.cross_validate else "treeserve.predictor.is_test_prompt",
         "model": model_name, "model_gguf_sha256": spec_obj.gguf_sha256 if spec_obj else None,
         "folds": args.folds, "seed": args.seed, "script": "treeserve train-predictor",
+        "train_s_with_features": round(seconds, 1),
     })
     if args.out is not None:
         report.predictor.save(args.out)
+    scored = test or examples
     if args.predictions_out is not None:
-        write_predictions(args.predictions_out, examples, report)
-    by_dataset = held_out_by_dataset(examples, report)
-    result = {"spec": spec_name(spec), "num_examples": report.num_examples, "num_folds": report.num_folds,
-              "held_out": report.held_out, "held_out_by_dataset": by_dataset,
+        write_predictions(args.predictions_out, scored, report)
+    by_dataset = held_out_by_dataset(scored, report)
+    public = [i for i, e in enumerate(scored) if e.dataset != "synthetic"]
+    lengths = np.array([e.num_output_tokens for e in scored], dtype=np.float64)
+    public_only = {n: evaluate(p[public], lengths[public]) for n, p in report.held_out_predictions.items()} \
+        if public else {}
+    result = {"spec": spec_name(spec), "head": args.head, "num_train": len(train), "num_test": len(test),
+              "num_folds": report.num_folds, "held_out": report.held_out, "held_out_public_sets": public_only,
+              "held_out_by_dataset": by_dataset, "train_s_with_features": seconds,
               "saved_to": str(args.out) if args.out else None}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"held-out ({report.num_folds}-fold cross-validation over {report.num_examples} prompts)")
-        print(f"{'features':<12} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'feat ms':>8}")
+        how = (f"{report.num_folds}-fold cross-validation over {len(examples)} prompts" if args.cross_validate
+               else f"trained on {len(train)} prompts, scored on {len(test)} held-out test prompts")
+        print(f"held-out ({how}); head {args.head}")
+        print(f"{'features':<16} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'tau public':>10} {'feat ms':>8}")
         for name, m in report.held_out.items():
-            print(f"{name:<12} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
-                  f"{m['kendall_tau']:>6.3f} {m['feature_ms']:>8.1f}")
-        print("Kendall's tau within each dataset (out-of-fold):")
+            pub = public_only.get(name, {}).get("kendall_tau", float("nan"))
+            print(f"{name:<16} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
+                  f"{m['kendall_tau']:>6.3f} {pub:>10.3f} {m['feature_ms']:>8.1f}")
+        print("Kendall's tau within each dataset (held out):")
         for dataset, per_spec in by_dataset.items():
             print(f"  {dataset:<11} n={int(next(iter(per_spec.values()))['num']):<4} "
                   + " ".join(f"{n}={m['kendall_tau']:.3f}" for n, m in per_spec.items()))
+        print(f"training took {seconds:.1f} s (features included; cached features are reused)")
     return 0
 
 

@@ -62,20 +62,35 @@ def test_ssjf_orders_by_predicted_length_with_stable_ties() -> None:
     ]
 
 
-def test_ssjf_promotes_after_max_wait_in_arrival_order() -> None:
-    p = SSJFPolicy(max_wait_s=10.0)
-    p.add(req("old-long", 0.0, predicted=1000), 0.0)
-    p.add(req("older-long", -1.0, predicted=2000), 0.0)
-    p.add(req("new-short", 9.0, predicted=1), 9.0)
-    assert p.is_promoted(req("x", 0.0), now=10.0) and not p.is_promoted(req("x", 0.0), now=9.99)
-    # At 9.5 nobody waited 10 s except "older-long" (10.5 s): it goes first, then shortest.
+def test_ssjf_promotes_at_service_scaled_deadlines_earliest_first() -> None:
+    p = SSJFPolicy(max_wait_s=10.0)  # aging_tokens 256: deadline = arrival + 10 * min(1, size / 256)
+    p.add(req("old-long", 0.0, predicted=1000), 0.0)  # deadline 10.0
+    p.add(req("older-long", -1.0, predicted=2000), 0.0)  # deadline 9.0
+    p.add(req("new-short", 9.0, predicted=1), 9.0)  # deadline 9.0390625
+    assert p.is_promoted(req("x", 0.0, predicted=300), now=10.0)
+    assert not p.is_promoted(req("x", 0.0, predicted=300), now=9.99)
+    assert p.is_promoted(req("y", 0.0, predicted=128), now=5.0) and not p.is_promoted(req("y", 0.0, predicted=128), 4.9)
+    # At 9.5 only "older-long" and "new-short" are promoted: earliest deadline first.
     assert p.pop_next(9.5) is not None and "older-long" not in p
     assert drain(p, now=9.5) == ["new-short", "old-long"]
-    # At 20 both long ones are promoted: arrival order, ahead of the short one.
+    # At 20 all three are promoted: by deadline (l2: 1 + 10 * 99/256 = 4.87; l1: 10; s: 15.04),
+    # not by arrival: a fixed wait (aging_tokens=1) would give l1, l2, s.
     q = SSJFPolicy(max_wait_s=10.0)
+    fixed = SSJFPolicy(max_wait_s=10.0, aging_tokens=1)
     for r in (req("s", 15.0, predicted=1), req("l2", 1.0, predicted=99), req("l1", 0.0, predicted=500)):
         q.add(r, 15.0)
-    assert drain(q, now=20.0) == ["l1", "l2", "s"]
+        fixed.add(r, 15.0)
+    assert drain(q, now=20.0) == ["l2", "l1", "s"]
+    assert drain(fixed, now=20.0) == ["l1", "l2", "s"]
+
+
+def test_max_tokens_caps_the_prediction() -> None:
+    assert req("a", 0.0, predicted=900, max_tokens=16).predicted_service == 16.0
+    assert req("b", 0.0, predicted=9, max_tokens=16).predicted_service == 9.0
+    p = SSJFPolicy(max_wait_s=math.inf)
+    p.add(req("capped", 0.0, predicted=900, max_tokens=16), 0.0)  # can generate at most 16
+    p.add(req("mid", 0.0, predicted=100, max_tokens=512), 0.0)
+    assert drain(p, now=1.0) == ["capped", "mid"]
 
 
 def test_response_ratio_matches_hand_computation() -> None:
@@ -204,12 +219,13 @@ def test_queued_request_validation() -> None:
         QueuedRequest("", 0.0, 1, 1)
 
 
-def test_hrrn_promotes_after_max_wait_in_arrival_order() -> None:
+def test_hrrn_promotes_at_its_aging_deadline() -> None:
     def queue(policy: HRRNPolicy) -> HRRNPolicy:
         policy.add(req("long", 0.0, predicted=1000), 0.0)  # ratio at t=10: 1010 / 1000 = 1.01
-        policy.add(req("short", 9.0, predicted=1), 9.0)  # ratio at t=10: 2 / 1 = 2.0
+        policy.add(req("short", 5.0, predicted=200), 5.0)  # ratio at t=10: 205 / 200 = 1.025
         return policy
 
-    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=10.0) == ["long", "short"]  # "long" waited 10 s
-    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=9.5) == ["short", "long"]  # not yet
+    # Deadlines (max_wait_s 10, aging_tokens 256): long 10.0, short 5 + 10 * 200/256 = 12.8.
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=10.0) == ["long", "short"]  # "long" is promoted
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=9.5) == ["short", "long"]  # not yet: the ratio
     assert drain(queue(HRRNPolicy()), now=10.0) == ["short", "long"]  # no aging: the ratio alone
