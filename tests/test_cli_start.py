@@ -42,6 +42,8 @@ def test_generate_and_serve_prestart_their_verifier(prestarts: list[Any], argv: 
 def test_the_warm_up_reads_the_model_flags(prestarts: list[Any], tmp_path: Any) -> None:
     assert cli.prestart_verifier(["generate", "--model", "m.gguf", "--cache-dir", str(tmp_path), "--dtype", "int8", "x"])
     assert prestarts[0].hook_args == {"model": "m.gguf", "cache_dir": str(tmp_path), "weight_format": "int8"}
+    assert cli.prestart_verifier(["serve", "--device", "cuda:0"])
+    assert prestarts[1].hook_args["weight_format"] is None  # a CUDA verifier formats on its device
 
 
 @pytest.mark.parametrize("argv", [

@@ -48,6 +48,7 @@ def prestart_verifier(argv: Sequence[str]) -> bool:
     scan.add_argument("-h", "--help", action="store_true")
     scan.add_argument("--in-process", action="store_true")
     scan.add_argument("--format", "--dtype", dest="dtype", default=None)
+    scan.add_argument("--device", default="cpu")
     scan.add_argument("--tp", default="1")
     scan.add_argument("--nodes", default="0")
     try:
@@ -59,8 +60,10 @@ def prestart_verifier(argv: Sequence[str]) -> bool:
     from treeserve.runtime.process import Warmup, prestart
 
     cache_dir = None if known.cache_dir is None else str(known.cache_dir)
+    # The saved format buffers are CPU ones; a CUDA verifier formats on its device.
+    weight_format = (known.dtype or AUTO_FORMAT) if known.device == "cpu" else None
     prestart(Warmup(VERIFIER_ACTOR, hook=PRELOAD_HOOK, hook_args={
-        "model": model_name(known), "cache_dir": cache_dir, "weight_format": known.dtype or AUTO_FORMAT,
+        "model": model_name(known), "cache_dir": cache_dir, "weight_format": weight_format,
     }))
     return True
 

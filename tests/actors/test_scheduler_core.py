@@ -132,8 +132,10 @@ def test_aging_promotes_a_request_that_waited_max_wait_over_shorter_ones() -> No
             seen += admitted(plan)
         return seen
 
-    # Waiting 10.5 s at the step of t = 10.5, "long" is promoted ahead of the shorter short10.
-    assert order(10.0) == ["short0", "short2", "short4", "short6", "short8", "long", "short10", "short12"]
+    # Deadlines scale with the predicted service (``actors/policy_aging.py``): "long" (40 tokens)
+    # is promoted at 0 + 10 * 40/256 = 1.56 s, before short2's 2 + 10 * 2/256 = 2.08 s, so the
+    # step of t = 2.5 admits it ahead of the shorter short2, and the shorts follow in deadline order.
+    assert order(10.0) == ["short0", "long", "short2", "short4", "short6", "short8", "short10", "short12"]
     assert "long" not in order(1000.0)  # without aging it starves behind the stream of shorter ones
 
 
