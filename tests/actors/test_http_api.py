@@ -9,11 +9,8 @@ differences, so the order of the tests does not matter.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,14 +18,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from treeserve.client import Client
+import http_helpers as helpers  # registered by conftest.py
 
-_spec = importlib.util.spec_from_file_location("http_helpers", Path(__file__).with_name("http_helpers.py"))
-assert _spec is not None and _spec.loader is not None
-helpers = sys.modules.get("http_helpers") or importlib.util.module_from_spec(_spec)
-if "http_helpers" not in sys.modules:
-    sys.modules["http_helpers"] = helpers
-    _spec.loader.exec_module(helpers)
+from treeserve.client import Client
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 

@@ -8,11 +8,9 @@ opened: the status; after: one error event and no ``[DONE]``). The server keeps 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,12 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-_spec = importlib.util.spec_from_file_location("http_helpers", Path(__file__).with_name("http_helpers.py"))
-assert _spec is not None and _spec.loader is not None
-helpers = sys.modules.get("http_helpers") or importlib.util.module_from_spec(_spec)
-if "http_helpers" not in sys.modules:
-    sys.modules["http_helpers"] = helpers
-    _spec.loader.exec_module(helpers)
+import http_helpers as helpers  # registered by conftest.py
 
 pytestmark = [pytest.mark.timeout(180)]
 
