@@ -75,15 +75,37 @@ class StepRow:
     request_id: str
 
 
+MAX_DECODE_STEPS = 64
+"""The most plain decode steps one ``step`` call may ask for (``decode_steps``)."""
+
+
 @dataclass(frozen=True)
 class StepBody:
     """``step {"rows": [{"row", "tree", "params", "request_id"}], "return_states"?, "draft_probs"?,
-    "rank0_answers"?}``: one token tree per row, verified in batched forwards; the trees'
-    dense draft probabilities stacked in ``draft_probs`` (see the module docstring)."""
+    "rank0_answers"?, "decode_steps"?}``: one token tree per row, verified in batched forwards;
+    the trees' dense draft probabilities stacked in ``draft_probs`` (see the module docstring).
+
+    ``decode_steps`` k > 1 (at most :data:`MAX_DECODE_STEPS`) asks for k plain decode steps in
+    one call: every tree must be its root alone and no states are returned. Each step decodes
+    one token per row and the next step's root is that token; a row stops early after a stop
+    token of its params. A row's verdict then has ``accepted == (0,)`` and up to k
+    ``new_tokens``, exactly what k one-step calls would have emitted."""
 
     rows: tuple[StepRow, ...]
     return_states: bool = False
     rank0_answers: bool = False
+    decode_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.decode_steps, bool) or not isinstance(self.decode_steps, int) or \
+                not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be an int in [1, {MAX_DECODE_STEPS}], got {self.decode_steps!r}")
+        if self.decode_steps > 1:
+            if self.return_states:
+                raise ValueError("a step of several decode steps returns no states")
+            wide = [r.row for r in self.rows if r.tree.num_nodes != 1]
+            if wide:
+                raise ValueError(f"a step of several decode steps takes one-node trees; rows {wide} have more")
 
     def to_wire(self) -> dict[str, Any]:
         trees, stacked = pack_trees([r.tree for r in self.rows])
@@ -94,12 +116,14 @@ class StepBody:
         }
         if stacked is not None:
             wire["draft_probs"] = stacked
+        if self.decode_steps > 1:
+            wire["decode_steps"] = self.decode_steps
         return {**wire, "rank0_answers": True} if self.rank0_answers else wire
 
     @classmethod
     def from_wire(cls, body: Any, params: ParamsCache) -> StepBody:
         """Validate and decode; each request's params come from (and go to) ``params``."""
-        body = check_body(body, ("rows",), ("return_states", "rank0_answers", "draft_probs"))
+        body = check_body(body, ("rows",), ("return_states", "rank0_answers", "draft_probs", "decode_steps"))
         entries = [check_body(e, ("row", "tree", "params", "request_id")) for e in check_entries(body, "rows", "step")]
         trees = unpack_trees([e["tree"] for e in entries], body.get("draft_probs"))
         rows = []
@@ -109,7 +133,8 @@ class StepBody:
                 raise ValueError(f"step row {entry['row']!r} has no token tree")
             rows.append(StepRow(check_int(entry["row"], "row"), tree, params.parse(request_id, entry["params"]),
                                 request_id))
-        return cls(tuple(rows), check_flag(body, "return_states"), check_flag(body, "rank0_answers"))
+        decode_steps = check_int(body.get("decode_steps", 1), "decode_steps")
+        return cls(tuple(rows), check_flag(body, "return_states"), check_flag(body, "rank0_answers"), decode_steps)
 
 
 @dataclass(frozen=True)
@@ -254,6 +279,6 @@ def _reply_ints(entry: Mapping[str, Any], name: str) -> tuple[int, ...]:
 
 
 __all__ = [
-    "PrefillBody", "PrefillReply", "PrefillRow", "PrefilledRow", "RowRelease", "RowVerdict", "StepBody", "StepReply",
+    "MAX_DECODE_STEPS", "PrefillBody", "PrefillReply", "PrefillRow", "PrefilledRow", "RowRelease", "RowVerdict", "StepBody", "StepReply",
     "StepRow",
 ]

@@ -261,7 +261,7 @@ class SchedulerActor(Actor):
         proposed = time.perf_counter()
         rows = [StepRow(r.row, tree, r.params, r.request_id) for r, tree in zip(plan.rows, trees)]
         try:
-            verdicts = await self.verifiers.step(rows, return_states=plan.wants_states)
+            verdicts = await self.verifiers.step(rows, return_states=plan.wants_states, decode_steps=plan.decode_steps)
         except ActorError as exc:
             await self._deliver(self.core.verifier_failed(exc).events)
             return
@@ -269,10 +269,9 @@ class SchedulerActor(Actor):
         replies = StepReplies(trees, tuple(verdicts), propose_s=proposed - started, verify_s=verified - proposed)
         ended = self.core.apply(plan, replies, self.clock())
         if self.observer is not None:
-            self._observe(self.observer.on_step, StepSample(
-                replies.propose_s + replies.verify_s,
-                tuple(len(v.accepted) for v in verdicts if v.error is None),
-                sum(len(e.token_ids) for e in ended.events if isinstance(e, TokensOut))))
+            emitted = sum(len(e.token_ids) for e in ended.events if isinstance(e, TokensOut))
+            for sample in _step_samples(plan, replies, emitted):
+                self._observe(self.observer.on_step, sample)
         await self._deliver(ended.events)
         await self._release(ended.releases)
 
@@ -341,6 +340,18 @@ class SchedulerActor(Actor):
             raise exc
         log.warning("speculator %d failed (%s); its requests go on without it this step", index, exc)
         self.core.speculator_failed(index)
+
+
+def _step_samples(plan: StepPlan, replies: StepReplies, emitted: int) -> list[StepSample]:
+    """What the observer is told of a step: one sample per forward, so a decode-ahead call of
+    k steps counts as k steps of a k-th of its time, each row emitting one token in each."""
+    done = [v for v in replies.verdicts if v.error is None]
+    step_s = replies.propose_s + replies.verify_s
+    if plan.decode_steps == 1:
+        return [StepSample(step_s, tuple(len(v.accepted) for v in done), emitted)]
+    forwards = max((len(v.new_tokens) for v in done), default=1)
+    return [StepSample(step_s / forwards, tuple(1 for v in done if len(v.new_tokens) > index),
+                       emitted if index == 0 else 0) for index in range(forwards)]
 
 
 __all__ = ["InvalidRequest", "SchedulerActor", "SchedulerConfig", "SchedulerFault", "ServiceUnavailable"]

@@ -108,6 +108,7 @@ class SchedulerCore:
         self._requests: dict[str, RequestState] = {}  # open: waiting for a prediction, queued or running
         self._running: dict[str, RequestState] = {}  # holding a row, in admission order
         self._free_rows = list(range(config.num_rows))
+        self._plain_step_s: float | None = None  # one plain decode step's time, last measured
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and num_speculators:
             candidates = tuple(n for n in AdaptiveConfig().candidates if n <= config.max_tree_nodes)
@@ -204,7 +205,19 @@ class SchedulerCore:
             tree_budget=budget,
             is_budget_adaptive=adaptive is not None,
             wants_states=self.config.use_states and any(r.speculates for r in batch),
+            decode_steps=self._decode_steps(batch),
         )
+
+    def _decode_steps(self, batch: Sequence[RequestState]) -> int:
+        """How many plain decode steps the next verifier call runs (see ``SchedulerConfig``):
+        1 unless nothing speculates, every row has streamed its first token and nothing waits."""
+        if not batch or self._plain_step_s is None or len(self._requests) > len(batch):
+            return 1
+        if any(r.speculates or not r.emitted for r in batch):
+            return 1
+        fits = int(self.config.decode_ahead_s / max(self._plain_step_s, 1e-6))
+        remaining = min(r.params.max_new_tokens - len(r.emitted) for r in batch)
+        return max(1, min(self.config.max_decode_steps, fits, remaining))
 
     def prefilled(self, chunk: Sequence[Admission], states: Sequence[np.ndarray | None]) -> None:
         """Record a prefill chunk's hidden states (None for rows that asked for none)."""
@@ -247,10 +260,18 @@ class SchedulerCore:
                 )
             except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
                 log.warning("adaptive speculation ignored a step: %s", exc)
+        forwards = 1 if plan.decode_steps == 1 else \
+            max((len(v.new_tokens) for v in replies.verdicts if v.error is None), default=1)
+        self.stats.num_decode_steps += forwards
+        if not any(r.is_speculating for r in plan.rows):
+            self._plain_step_s = replies.verify_s / forwards
         events: list[Event] = []
         releases: list[Release] = []
         for row, verdict in zip(plan.rows, replies.verdicts):
             req = self._running[row.request_id]
+            if verdict.error is None and len(verdict.new_tokens) > max(plan.decode_steps, len(verdict.accepted)):
+                raise ValueError(f"row {row.row}: {len(verdict.new_tokens)} tokens from a step of "
+                                 f"{plan.decode_steps} decode steps and {len(verdict.accepted)} accepted nodes")
             if verdict.error is not None:
                 self.stats.num_row_failures += 1
                 self.stats.num_failed += 1
@@ -260,7 +281,10 @@ class SchedulerCore:
                 releases.append(self._release(req))
                 continue
             taken, finish = emit_until_done(req.emitted, list(verdict.new_tokens), req.params)
-            req.accepted_per_step.append(len(verdict.accepted) - 1)
+            if plan.decode_steps > 1:  # one forward per token, no drafts
+                req.accepted_per_step.extend([0] * len(verdict.new_tokens))
+            else:
+                req.accepted_per_step.append(len(verdict.accepted) - 1)
             req.since_propose.extend(taken)
             if verdict.states is not None and req.speculates:
                 req.add_states(verdict.states)

@@ -20,7 +20,7 @@ import numpy as np
 from treeserve.actors.gateway_request import Speculate
 from treeserve.actors.messages_length import LengthReport
 from treeserve.actors.messages_speculator import ProposeBody
-from treeserve.actors.messages_verifier import RowVerdict
+from treeserve.actors.messages_verifier import MAX_DECODE_STEPS, RowVerdict
 from treeserve.actors.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
@@ -65,7 +65,14 @@ class SchedulerConfig:
     step drafts ``max_tree_nodes``. ``use_states``: a speculator drafts from the LLM's hidden
     states (a ``feature`` drafter): the verifier returns them and they travel with proposals.
     ``max_prefill_tokens`` bounds the prompt tokens of one prefill call: requests admitted
-    together share calls (and batched forwards) up to it, a longer prompt goes alone."""
+    together share calls (and batched forwards) up to it, a longer prompt goes alone.
+
+    Decode-ahead: when no running request speculates, every one has streamed its first token and
+    nothing waits for admission, one verifier call runs up to ``max_decode_steps`` plain decode
+    steps, as many as fit in ``decode_ahead_s`` at the last measured step time (the tokens are
+    the same; the scheduler's and the hop's cost is paid once per call, not per token, and the
+    stream gets them in chunks of that many). A request arriving meanwhile waits for the call
+    to end: at most about ``decode_ahead_s``. ``max_decode_steps=1`` turns it off."""
 
     num_rows: int = 8
     row_capacity: int = 2048
@@ -79,12 +86,19 @@ class SchedulerConfig:
     adaptive_speculation: bool = True
     use_states: bool = False
     max_prefill_tokens: int = 8192
+    max_decode_steps: int = 8
+    decode_ahead_s: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue", "max_prefill_tokens"):
+        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue", "max_prefill_tokens",
+                     "max_decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_decode_steps > MAX_DECODE_STEPS:
+            raise ValueError(f"SchedulerConfig.max_decode_steps must be <= {MAX_DECODE_STEPS}, got {self.max_decode_steps}")
+        if not self.decode_ahead_s >= 0:
+            raise ValueError(f"SchedulerConfig.decode_ahead_s must be >= 0, got {self.decode_ahead_s}")
         if not self.max_wait_s > 0:
             raise ValueError(f"SchedulerConfig.max_wait_s must be > 0, got {self.max_wait_s}")
         for name in ("step_timeout_s", "predict_timeout_s"):
@@ -234,6 +248,7 @@ class StepPlan:
     tree_budget: int  # nodes per row (root included) shared among the speculators
     is_budget_adaptive: bool  # the adaptive policy chose tree_budget and learns from this step
     wants_states: bool  # the verify step returns the accepted nodes' hidden states
+    decode_steps: int = 1  # > 1: plain decode steps in one verifier call (decode-ahead, one-node trees)
 
     @property
     def is_idle(self) -> bool:
@@ -266,9 +281,12 @@ class StepReplies:
 
 @dataclass
 class SchedulerStats:
-    """Counters since start, and the wall time spent in each phase of the steps."""
+    """Counters since start, and the wall time spent in each phase of the steps. ``num_steps``
+    counts verifier calls, ``num_decode_steps`` the forwards they ran (more than the calls
+    where a call decoded ahead several steps)."""
 
     num_steps: int = 0
+    num_decode_steps: int = 0
     num_completed: int = 0
     num_cancelled: int = 0
     num_failed: int = 0

@@ -16,6 +16,10 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   unaffected. The caller should end that request and ``release`` its row; the row's
   cache is then zeroed (attention reads masked slots too, and ``0 * NaN`` would carry a stale
   NaN into the row's next request).
+  With ``"decode_steps": k > 1`` (one-node trees only, no states) the call runs up to k plain
+  decode steps, each rooted at the token the last one emitted, and each row's verdict carries
+  the up to k tokens (a row stops after a stop token): one call, and one hop to the compute
+  thread, for k tokens (:class:`~treeserve.actors.messages_verifier.StepBody`).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
 Randomness: a seeded request's tokens are keyed by ``(seed, sequence position)``
@@ -236,6 +240,14 @@ class VerifierShard(Actor):
         steps = [RowStep(self._row(r.row), r.tree, r.params, self._generator_for(r.request_id, r.params))
                  for r in call.rows]
         want_states = call.return_states and not acks_only
+        if call.decode_steps > 1:
+            decoded, failures = await self._offload.run(self._decode_rows, model, cache, steps, call.decode_steps)
+            self._rows_to_scrub.update(failures)
+            if acks_only:
+                return None
+            return StepReply(tuple(RowVerdict(s.row, error=failures[s.row]) if s.row in failures else
+                                   RowVerdict(s.row, (0,), tuple(decoded[s.row])) for s in steps)
+                             ).to_wire(self._info["dim"])
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
         if acks_only:
@@ -283,6 +295,32 @@ class VerifierShard(Actor):
         if generator is None:
             generator = self._generators[request_id] = make_generator(params)
         return generator
+
+    def _decode_rows(
+        self, model: Transformer, cache: KVCache, steps: list[RowStep], num_steps: int
+    ) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """Up to ``num_steps`` plain decode steps of one-node trees: each step verifies every
+        row still decoding and roots its next tree at the token it emitted; a row stops after a
+        stop token or a numerical failure (row -> why; its earlier tokens are dropped with it).
+        Each step is exactly a one-step call (same commits, same randomness placement)."""
+        tokens: dict[int, list[int]] = {step.row: [] for step in steps}
+        failures: dict[int, str] = {}
+        active = steps
+        for index in range(num_steps):
+            results, _states, failed = self._verify_rows(model, cache, active, False)
+            failures.update(failed)
+            following = []
+            for step, result in zip(active, results):
+                if step.row in failed:
+                    continue
+                tokens[step.row].append(result.bonus_token)
+                if index + 1 < num_steps and not step.params.is_stop(result.bonus_token):
+                    following.append(RowStep(step.row, TokenTree.from_parents([-1], [result.bonus_token]),
+                                             step.params, step.generator))
+            if not following:
+                break
+            active = following
+        return tokens, failures
 
     def _verify_rows(
         self, model: Transformer, cache: KVCache, steps: list[RowStep], want_states: bool

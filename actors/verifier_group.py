@@ -57,9 +57,11 @@ class VerifierGroup:
         reply = await self._fan_out("prefill", PrefillBody(tuple(rows), rank0_answers=self.tp_size > 1).to_wire())
         return [r.states for r in PrefillReply.from_wire(reply, [r.row for r in rows]).rows]
 
-    async def step(self, rows: Sequence[StepRow], *, return_states: bool) -> list[RowVerdict]:
-        """Verify one token tree per row in batched forwards and commit the accepted paths."""
-        body = StepBody(tuple(rows), return_states, rank0_answers=self.tp_size > 1).to_wire()
+    async def step(self, rows: Sequence[StepRow], *, return_states: bool, decode_steps: int = 1) -> list[RowVerdict]:
+        """Verify one token tree per row in batched forwards and commit the accepted paths
+        (``decode_steps`` > 1: that many plain decode steps of one-node trees, see
+        :class:`~treeserve.actors.messages_verifier.StepBody`)."""
+        body = StepBody(tuple(rows), return_states, rank0_answers=self.tp_size > 1, decode_steps=decode_steps).to_wire()
         reply = await self._fan_out("step", body)
         return list(StepReply.from_wire(reply, [r.row for r in rows], return_states=return_states).verdicts)
 

@@ -380,7 +380,7 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
                     after = await server.scheduler.ask("stats")
                     # Step time from the scheduler's own timers (propose + verify), so admission
                     # (prefill) and client round trips do not inflate it; they make the rest.
-                    steps = max(1, after["num_steps"] - before["num_steps"])
+                    steps = max(1, after["num_decode_steps"] - before["num_decode_steps"])
                     in_steps = sum(after[k] - before[k] for k in ("propose_s", "verify_s"))
                     points.append((rows, in_steps / steps))
                     prefill.append(max(0.0, wall - in_steps) / sum(d.num_prompt_tokens for d in done))

@@ -249,13 +249,20 @@ def _verify_rows(
             views.append((start, view))
             pad = TokenTree.from_parents([-1], [pad_token_id])
             trees = [by_row[r].tree if r in by_row else pad for r in range(start, stop)]
-            packed = packer(trees, lengths[start:stop], pad_token_id)
             device = cache.device
-            kwargs = {"tree_mask": packed.tree_mask.to(device), "positions": packed.positions.to(device)}
-            if want_states:
-                logits, hidden = model(packed.tokens.to(device), view, return_hidden=True, **kwargs)  # (B_block, T, V)
+            if all(tree.num_nodes == 1 for tree in trees):
+                # Plain decoding: a root alone sees the committed prefix and itself at position
+                # length, which is the model's default (causal, no mask to build or read).
+                tokens = torch.tensor([[tree.root_token] for tree in trees], device=device)
+                kwargs: dict[str, Tensor] = {}
             else:
-                logits = model(packed.tokens.to(device), view, **kwargs)
+                packed = packer(trees, lengths[start:stop], pad_token_id)
+                tokens = packed.tokens.to(device)
+                kwargs = {"tree_mask": packed.tree_mask.to(device), "positions": packed.positions.to(device)}
+            if want_states:
+                logits, hidden = model(tokens, view, return_hidden=True, **kwargs)  # (B_block, T, V)
+            else:
+                logits = model(tokens, view, **kwargs)
             assert isinstance(logits, Tensor)
             for offset, row in enumerate(range(start, stop)):
                 real = by_row.get(row)

@@ -73,6 +73,9 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--row-capacity", type=int, default=defaults.row_capacity, help="tokens per KV-cache row")
     serve.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
                        help="prompt tokens per prefill call: requests admitted together share batched forwards")
+    serve.add_argument("--decode-ahead", type=int, default=defaults.max_decode_steps, metavar="STEPS",
+                       help="when nothing speculates or waits, run up to this many plain decode steps per verifier "
+                            "call (about 0.1 s of them; 1: off; default %(default)s)")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
     serve.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                        help=f"restarts a supervisor makes within {defaults.restart_window_s:g} s before the server "
@@ -158,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_decode_steps=args.decode_ahead,
         speculators=None if specs is None else tuple(s.to_wire() for s in specs),
         allow_public_bind=args.allow_public_bind,
         num_nodes=args.nodes,

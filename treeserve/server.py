@@ -289,6 +289,7 @@ class Server:
             use_states=bool(self.speculators) and any(s.kind is SpeculatorKind.FEATURE for s in speculators),
             step_timeout_s=cfg.step_timeout_s,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            max_decode_steps=cfg.max_decode_steps,
         )
         verifiers, speculators_refs = await self._scheduler_peers()
         self.scheduler_supervisor = rt.local_supervisor(

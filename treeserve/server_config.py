@@ -52,6 +52,9 @@ class ServerConfig:
     the measured acceptance and step cost at the current batch size, down to plain decoding.
     ``max_prefill_tokens``: prompt tokens per prefill call; requests admitted together share
     calls and batched forwards up to it (a longer prompt goes alone).
+    ``max_decode_steps``: when nothing speculates or waits, one verifier call runs up to this
+    many plain decode steps (about 0.1 s of them; the stream then gets its tokens in chunks);
+    1 turns it off (see :class:`~treeserve.actors.scheduler_types.SchedulerConfig`).
     """
 
     model: str = DEFAULT_MODEL
@@ -89,6 +92,7 @@ class ServerConfig:
     online_predictor: bool = True
     adaptive_speculation: bool = SchedulerConfig.adaptive_speculation
     max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens
+    max_decode_steps: int = SchedulerConfig.max_decode_steps
 
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None (config entries)."""
@@ -115,7 +119,8 @@ class ServerConfig:
             raise ValueError(f"scheduler must be one of {POLICY_NAMES}, got {self.scheduler!r}")
         if self.speculators is not None:
             self.speculator_specs()  # ValueError names the bad entry
-        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens"):
+        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens",
+                     "max_decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")

@@ -41,7 +41,7 @@ EOS = 2
 
 def make_core(num_speculators: int = 0, **overrides: Any) -> SchedulerCore:
     base: dict[str, Any] = {"num_rows": 2, "row_capacity": 64, "vocab_size": 100, "max_tree_nodes": 4,
-                            "adaptive_speculation": False}
+                            "adaptive_speculation": False, "max_decode_steps": 1}  # decode-ahead: its own tests
     return SchedulerCore(SchedulerConfig(**{**base, **overrides}), num_speculators=num_speculators)
 
 
@@ -300,3 +300,56 @@ def test_a_tree_is_cut_to_the_tokens_still_allowed_and_chain_rows_keep_one_chain
     deep = tree_to_wire(TokenTree.from_parents([-1, 0, 1, 0], [3, 10, 11, 12]))
     trees = core.merge_proposals(plan, core.proposal_asks(plan), [{"trees": [deep, deep]}])
     assert [t.tokens.tolist() for t in trees] == [[3, 10, 12], [3, 10, 11]]
+
+
+# ---------------------------------------------------------------------- decode-ahead
+def decode(core: SchedulerCore, now: float, verify_s: float, tokens: Mapping[str, Sequence[int]]) -> StepPlan:
+    """One step whose verifier call took ``verify_s``; row ``r`` emits ``tokens[r]``."""
+    plan = core.plan(now)
+    for chunk in plan.prefill_chunks:
+        core.prefilled(chunk, [None] * len(chunk))
+    trees = core.merge_proposals(plan, core.proposal_asks(plan), [])
+    verdicts = tuple(RowVerdict(r.row, (0,), tuple(tokens[r.request_id])) for r in plan.rows)
+    core.apply(plan, StepReplies(trees, verdicts, propose_s=0.0, verify_s=verify_s), now)
+    return plan
+
+
+def test_decode_ahead_runs_as_many_plain_steps_as_fit_once_every_row_streams_and_nothing_waits() -> None:
+    core = make_core(max_decode_steps=8, decode_ahead_s=0.1, num_rows=2)
+    submit(core, "a", 0.0, max_tokens=40)
+    assert decode(core, 1.0, 0.02, {"a": [5]}).decode_steps == 1  # the first token as soon as it can
+    assert decode(core, 1.1, 0.05, {"a": [5] * 5}).decode_steps == 5  # 0.1 s of the 20 ms steps measured
+    assert decode(core, 1.2, 0.08, {"a": [5] * 8}).decode_steps == 8  # 10 ms a step: 10 fit, at most 8
+    submit(core, "b", 1.25, max_tokens=40)  # admitted next: its first token comes alone, so does a's
+    assert decode(core, 1.3, 0.01, {"a": [5], "b": [6]}).decode_steps == 1
+    assert decode(core, 1.4, 0.08, {"a": [5] * 8, "b": [6] * 8}).decode_steps == 8
+    submit(core, "c", 1.45, max_tokens=40)  # waits for a row: no decode-ahead while it does
+    assert decode(core, 1.5, 0.01, {"a": [5], "b": [6]}).decode_steps == 1
+    assert core.snapshot()["num_queued"] == 1
+
+
+def test_decode_ahead_stops_at_max_tokens_counts_each_forward_and_never_speculates() -> None:
+    core = make_core(max_decode_steps=8, num_speculators=1)
+    submit(core, "a", 0.0, max_tokens=6)
+    decode(core, 1.0, 0.001, {"a": [5]})
+    plan = core.plan(2.0)
+    assert plan.decode_steps == 5  # what max_tokens leaves
+    too_many = (RowVerdict(0, (0,), (5,) * 6),)
+    with pytest.raises(ValueError, match="6 tokens from a step of 5 decode steps"):
+        core.apply(plan, StepReplies((TokenTree.from_parents([-1], [5]),), too_many, 0.0, 0.001), 2.0)
+    core = make_core(max_decode_steps=8, num_speculators=1)
+    submit(core, "a", 0.0, max_tokens=6)
+    decode(core, 1.0, 0.001, {"a": [5]})
+    plan = core.plan(2.0)
+    trees = core.merge_proposals(plan, core.proposal_asks(plan), [])
+    events = core.apply(plan, StepReplies(trees, (RowVerdict(0, (0,), (5, 6, 7, 8, 9)),), 0.0, 0.005), 2.0)
+    summary = finished(events)["a"]
+    assert streamed(events) == {"a": [5, 6, 7, 8, 9]} and summary["finish_reason"] == "length"
+    assert summary["num_steps"] == 6 and summary["mean_accepted_per_step"] == 1.0  # one forward per token
+    assert core.stats.num_steps == 2 and core.stats.num_decode_steps == 6
+    submit(core, "s", 3.0, max_tokens=20, speculate="tree")
+    submit(core, "p", 3.0, max_tokens=20)
+    for now in (4.0, 5.0, 6.0):  # a speculating row keeps every step to one
+        plan = core.plan(now)
+        assert plan.decode_steps == 1
+        verify(core, plan, now)

@@ -174,14 +174,23 @@ async def test_killed_speculator_requests_stay_correct(tiny_folder: Path) -> Non
 
 
 async def test_killed_verifier_fails_requests_retryably_then_recovers(tiny_folder: Path) -> None:
-    """Kill the shard while requests are being admitted (delay 0) and mid-generation: every
-    request ends (nothing lost or left hanging) with a retryable error, then service resumes."""
+    """Kill the shard while requests are being admitted and mid-generation (once a request
+    has streamed its first token, with 99 to go in decode-ahead calls): every request ends
+    (nothing lost or left hanging) with a retryable error, then service resumes."""
     async with Server(config(tiny_folder, max_restarts=5)) as server, Client(server.endpoint) as client:
         sup = server.verifier_supervisor
-        for delay in (0.0, 0.3):
+        for mid_generation in (False, True):
             pid = sup.pid("verifier-0")
-            tasks = [asyncio.ensure_future(client.generate(p, speculate="none", max_tokens=100)) for p in PROMPTS]
-            await asyncio.sleep(delay)
+            streaming = asyncio.Event()
+
+            async def run(prompt: list[int]) -> None:
+                async for chunk in client.stream(prompt, speculate="none", max_tokens=100):
+                    if chunk.token_ids:
+                        streaming.set()
+
+            tasks = [asyncio.ensure_future(run(p)) for p in PROMPTS]
+            if mid_generation:
+                await asyncio.wait_for(streaming.wait(), 60)
             os.kill(pid, signal.SIGKILL)
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
             failures = [o for o in outcomes if isinstance(o, BaseException)]

@@ -52,10 +52,10 @@ async def seeded_alongside(server: Server, client: Client, speculate: str, num_c
                            request: dict[str, Any]) -> tuple[Completion, bool]:
     """The seeded request, sent together with the first ``num_companions`` companions; also
     whether the requests shared verifier steps (fewer scheduler steps than their own steps)."""
-    before = (await server.scheduler.ask("stats"))["num_steps"]
+    before = (await server.scheduler.ask("stats"))["num_decode_steps"]
     companions = [client.generate(p, speculate="tree", **kw) for p, kw in COMPANIONS[:num_companions]]
     done = await asyncio.gather(client.generate(PROMPT, speculate=speculate, **request), *companions)
-    num_steps = (await server.scheduler.ask("stats"))["num_steps"] - before
+    num_steps = (await server.scheduler.ask("stats"))["num_decode_steps"] - before
     return done[0], num_steps < sum(d.num_steps for d in done)
 
 
