@@ -318,10 +318,13 @@ def _parse_spec(text: str, num_buckets: int) -> FeatureSpec:
 
 
 DEFAULT_DATA = (Path("bench/data/predictor_lengths_256.csv"), Path("bench/data/predictor_lengths_256_bf16.csv"),
+                Path("bench/data/predictor_lengths_256_bf16_public.csv"),
                 Path("bench/out/predictor_lengths_256_alpacaeval.csv"),
-                Path("bench/out/predictor_lengths_256_alpacaeval_bf16.csv"))
-"""The shipped predictor's data (``bench/predictor_data.py``, float32 and bfloat16 runs): the
-committed CSVs and the AlpacaEval rows (CC BY-NC, in the ignored ``bench/out/``)."""
+                Path("bench/out/predictor_lengths_256_alpacaeval_bf16.csv"),
+                Path("bench/out/predictor_lengths_256_alpacaeval_bf16_public.csv"))
+"""The shipped predictor's data (``bench/predictor_data.py``, float32 and bfloat16 runs, the
+last of the public sets only, Arena-Hard's prompts among them): the committed CSVs and the
+AlpacaEval rows (CC BY-NC, in the ignored ``bench/out/``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
