@@ -349,7 +349,7 @@ def _step_samples(plan: StepPlan, replies: StepReplies, emitted: int) -> list[St
     step_s = replies.propose_s + replies.verify_s
     if plan.decode_steps == 1:
         return [StepSample(step_s, tuple(len(v.accepted) for v in done), emitted)]
-    forwards = max((len(v.new_tokens) for v in done), default=1)
+    forwards = replies.num_forwards(plan.decode_steps)
     return [StepSample(step_s / forwards, tuple(1 for v in done if len(v.new_tokens) > index),
                        emitted if index == 0 else 0) for index in range(forwards)]
 

@@ -260,8 +260,7 @@ class SchedulerCore:
                 )
             except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
                 log.warning("adaptive speculation ignored a step: %s", exc)
-        forwards = 1 if plan.decode_steps == 1 else \
-            max((len(v.new_tokens) for v in replies.verdicts if v.error is None), default=1)
+        forwards = replies.num_forwards(plan.decode_steps)
         self.stats.num_decode_steps += forwards
         if not any(r.is_speculating for r in plan.rows):
             self._plain_step_s = replies.verify_s / forwards

@@ -278,6 +278,13 @@ class StepReplies:
     propose_s: float
     verify_s: float
 
+    def num_forwards(self, decode_steps: int) -> int:
+        """The forwards the verifier ran for a step of ``decode_steps`` (a decode-ahead call
+        runs as many as its longest row's tokens)."""
+        if decode_steps == 1:
+            return 1
+        return max((len(v.new_tokens) for v in self.verdicts if v.error is None), default=1)
+
 
 @dataclass
 class SchedulerStats:
