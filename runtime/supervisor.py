@@ -94,6 +94,7 @@ class Supervisor:
         self.config = config
         self.name = name
         self.gave_up: SupervisorGaveUp | None = None
+        self._giving_up = False  # from the give-up's start: no child starts while it takes them down
         self.num_restarts = 0
         self._stall_guard: StallGuard | None = None
         self._runtime = runtime
@@ -111,7 +112,7 @@ class Supervisor:
     async def start_child(self, spec: ChildSpec) -> ActorRef:
         """Launch ``spec`` in a new process, wait until it serves, supervise it and
         return its ref. Raises ``ActorDeadError`` if it fails to start."""
-        if self._is_closed or self.gave_up is not None:
+        if self._is_closed or self._giving_up:
             raise SupervisorGaveUp(f"{self.name} is not accepting children")
         if spec.name in self._children:
             raise ValueError(f"{self.name} already supervises a child named {spec.name!r}")
@@ -293,9 +294,12 @@ class Supervisor:
         exc = SupervisorGaveUp(
             f"{self.name}: more than {self.config.max_restarts} restarts within "
             f"{self.config.within_s}s; last failure of {child.spec.name!r}: {reason}")
-        self.gave_up = exc
+        self._giving_up = True
         await self._take_down(list(self._children.values()), exc.message)
         _log.error("%s", exc.message)
-        self._changed.set()
+        # Recorded, escalated and only then announced: whoever sees ``gave_up`` (a waiter in
+        # wait_running) sees a give-up that is complete, escalation included.
+        self.gave_up = exc
         if self._on_give_up is not None:
             self._on_give_up(exc)
+        self._changed.set()
