@@ -16,6 +16,9 @@ q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``_weight_i
                          for 1-3 rows, the AMX kernel of ``kernels/q4_amx`` from 4 rows on
 =========== ============ ==================================================================
 
+The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logits) on
+``kernels/q8_amx`` where that kernel runs, else bfloat16 on oneDNN.
+
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
 representation by shape, so a server's speculative output equals its own incremental
@@ -28,8 +31,13 @@ neither rounds a weight (``kernels/q4_amx.py`` says how), and a test compares th
 ``zero = m + 8 d``, both held in bfloat16 (the kernel's scale dtype): the codes are the GGUF's
 own, and each weight differs from the dequantized Q4_1 value only by the bf16 rounding of
 ``d`` and ``m + 8 d`` (relative 2^-9 of each). Weights that do not come from Q4_1 blocks
-(float checkpoints, the tied Q8_0 embedding) are quantized group-wise from float32.
-The LM head of the int formats is bfloat16 (the embedding is tied and Q8_0 in the GGUF).
+(float checkpoints) are quantized group-wise from float32.
+
+**The head and the GGUF.** The default model's embedding is tied and Q8_0 in its GGUF:
+``w = d * q``, ``q`` in -127..127, ``d`` float16 per 32. :func:`q8_0_from_float` quantizes as
+llama.cpp does (``d = amax / 127``), which recovers those codes and scales exactly from the
+dequantized weights (the largest code of a block is always 127), and the kernel multiplies by
+``d * q`` unrounded: the head serves the GGUF's own values, where a bf16 head rounded them.
 
 On CUDA, float32 and bfloat16 run ``F.linear`` on plain weights (cuBLAS); int8 and q4_1
 refuse with :class:`FormatUnsupportedError`.
@@ -49,11 +57,14 @@ from treeserve.ops.format_names import AUTO_FORMAT as AUTO_FORMAT  # re-exported
 from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
 from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
 from treeserve.ops.format_names import WeightFormat as WeightFormat
-from treeserve.ops.kernels import q4_amx
+from treeserve.ops.kernels import q4_amx, q8_amx
 from treeserve.ops.model import Block, ModelConfig, Transformer
 
 Q4_GROUP = 32
 """Weights per Q4_1 block (and per group of the int4 kernel's scales)."""
+
+Q8_GROUP = 32
+"""Weights per Q8_0 block (one float16 scale each)."""
 
 INT4_INNER_K_TILES = 8
 """Packing parameter of ``torch._convert_weight_to_int4pack_for_cpu``."""
@@ -268,7 +279,62 @@ def int4_buffers(blocks: Q4Blocks) -> dict[str, Tensor]:
     return buffers
 
 
-PREPARED_KERNELS = (Int8Linear, Int4Linear)
+def q8_0_from_float(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Q8_0 blocks of a float ``(N, K)`` weight as llama.cpp quantizes them: codes ``(N, K)`` int8
+    and float16 scales ``(N, K // 32)``, ``d = amax / 127`` per block of 32, ``q = round(w / d)``.
+
+    On weights that are already Q8_0 values (the GGUF's dequantized embedding) this returns
+    their own codes and scales: a block's largest ``|q|`` is 127, so ``amax / 127`` is its ``d``.
+    """
+    n, k = weight.shape
+    if k % Q8_GROUP:
+        raise FormatUnsupportedError(f"a Q8_0 head needs in_features divisible by {Q8_GROUP}, got {k}")
+    groups = weight.float().reshape(n, k // Q8_GROUP, Q8_GROUP)
+    scale = (groups.abs().amax(-1) / 127).half()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    codes = (groups / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.reshape(n, k), scale
+
+
+class Q8Linear(nn.Module):
+    """Q8_0 weights (``w = q * d``, ``d`` float16 per 32) on ``kernels/q8_amx``: fp32 outputs.
+
+    ``buffers``: ``codes`` and ``scales`` in that kernel's packing (:func:`q8_buffers`, or the
+    same read back from a saved format).
+    """
+
+    def __init__(self, buffers: Mapping[str, Tensor], out_features: int) -> None:
+        super().__init__()
+        if not q8_amx.available():
+            raise FormatUnsupportedError("the Q8_0 head's kernel does not run on this machine")
+        self.out_features = out_features
+        self.in_features = buffers["codes"].numel() // out_features
+        self.register_buffer("codes", _own_aligned(buffers["codes"]))
+        self.register_buffer("scales", _own_aligned(buffers["scales"]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def q8_buffers(weight: Tensor) -> dict[str, Tensor]:
+    """The Q8_0 kernel's packed ``codes`` and ``scales`` of a float ``(N, K)`` weight."""
+    codes, scales = q8_amx.pack(*q8_0_from_float(weight))
+    return {"codes": codes, "scales": scales}
+
+
+def q8_head_fits(weight: Tensor) -> bool:
+    """True when the int formats' head can be Q8_0 here: the kernel runs on this CPU and the
+    ``(V, D)`` weight's sizes are multiples of 32."""
+    return weight.device.type == "cpu" and q8_amx.supports(*weight.shape) and q8_amx.available()
+
+
+PREPARED_KERNELS = (Int8Linear, Int4Linear, Q8Linear)
 """The kernels whose buffers take long to compute from the weights (packing, quantizing):
 :func:`prepared_buffers` collects them so a later load can pass them back to :func:`apply_format`."""
 
@@ -280,8 +346,8 @@ def make_linear(
     """The format's kernel for a float ``(N, K)`` weight (``blocks``: its Q4_1 source, if any;
     ``prepared``: the int kernels' buffers, computed before, which replace both).
 
-    ``weight`` may be None only when ``blocks`` or ``prepared`` stand in for it. The LM head
-    passes ``fmt`` BFLOAT16 for the int formats (see the module docstring).
+    ``weight`` may be None only when ``blocks`` or ``prepared`` stand in for it. The int
+    formats' LM head is not made here (see ``_head``).
     """
     device = device if device is not None else weight.device if weight is not None else torch.device("cpu")
     if device.type == "cuda" and fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
@@ -323,9 +389,21 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     step reads one embedding row and a few KB of norms)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (DenseLinear, OneDnnLinear, Int8Linear, Int4Linear)):
+        if isinstance(module, (DenseLinear, OneDnnLinear, Int8Linear, Int4Linear, Q8Linear)):
             total += module.num_weight_bytes
     return total
+
+
+def _head(fmt: WeightFormat, weight: Tensor, prepared: Mapping[str, Tensor]) -> nn.Module:
+    """The LM head's kernel: Q8_0 for the int formats where it fits (else bfloat16), and the
+    format's own kernel for the float ones."""
+    if fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+        if prepared:
+            return Q8Linear(prepared, weight.shape[0])
+        if q8_head_fits(weight):
+            return Q8Linear(q8_buffers(weight), weight.shape[0])
+        return make_linear(WeightFormat.BFLOAT16, weight, None)
+    return make_linear(fmt, weight, None, device=weight.device)
 
 
 def _moved_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
@@ -400,8 +478,7 @@ def apply_format(
             delattr(mlp, name)
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             norm.to(fmt.activation_dtype)
-    head_fmt = WeightFormat.BFLOAT16 if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else fmt
-    model.head_kernel = make_linear(head_fmt, model.lm_head_weight.detach(), None, device=device)
+    model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"))
     model.embed_tokens.to(fmt.activation_dtype)
     model.norm.to(fmt.activation_dtype)
     if model.lm_head is not None:

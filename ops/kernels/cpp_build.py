@@ -1,11 +1,11 @@
 """Build treeserve's C++ CPU kernels once per machine, against the running torch.
 
-Each kernel is one ``.cpp`` file that registers its dispatcher ops with ``TORCH_LIBRARY``. It
-is compiled with the system C++ compiler (``g++``, or ``$CXX``) into
-``$TREESERVE_CACHE/kernels`` (default ``~/.cache/treeserve/kernels``), under a name keyed by
-the source, the flags, the compiler and the torch version, so a later process loads it
-without compiling. A machine without a compiler, or a CPU without the instructions a kernel
-needs, gets ``None`` and the caller's torch fallback.
+Each kernel is one ``.cpp`` file (which may include the headers beside it) that registers its
+dispatcher ops with ``TORCH_LIBRARY``. It is compiled with the system C++ compiler (``g++``, or
+``$CXX``) into ``$TREESERVE_CACHE/kernels`` (default ``~/.cache/treeserve/kernels``), under a
+name keyed by the source and those headers, the flags, the compiler and the torch version, so
+a later process loads it without compiling. A machine without a compiler, or a CPU without the
+instructions a kernel needs, gets ``None`` and the caller's torch fallback.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         all_flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", *flags, *_torch_flags()]
-        key = hashlib.sha256(source.read_bytes() + " ".join(all_flags).encode() + version.encode()
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+        key = hashlib.sha256(source.read_bytes() + headers + " ".join(all_flags).encode() + version.encode()
                              + torch.__version__.encode()).hexdigest()[:16]
         target = build_dir() / f"{source.stem}-{key}.so"
         if target.exists():

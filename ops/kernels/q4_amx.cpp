@@ -32,37 +32,16 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <cpuid.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 namespace {
 
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// tmm0, tmm1: C (16 x 16 fp32); tmm2: A (16 rows x 32 bf16); tmm3, tmm4: B (16 row pairs x 16 columns x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 5; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+using treeserve_amx::bf16x16_to_f32;
+using treeserve_amx::configure_tiles;
 
 // bf16 bit patterns of q - 8 for q in 0..15 (entries 16..31 unused).
 __m512i code_table() {
@@ -88,26 +67,13 @@ inline void expand_tile(const uint8_t* src, uint16_t* dst, __m512i table) {
   }
 }
 
-inline __m512 bf16x16_to_f32(const uint16_t* src) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 }  // namespace
 
 extern "C" {
 
 // 1 when this CPU has AMX-BF16 tiles and AVX512-BF16 and the kernel granted this process the
 // tile state (Linux arch_prctl); 0 otherwise, and the caller must not call ts_q4_gemm.
-int ts_q4_amx_init(void) {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-  const bool avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
-  const bool avx512_bf16 = (a >> 5) & 1;
-  if (!(avx512bw && amx_bf16 && amx_tile && avx512_bf16)) return 0;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
-}
+int ts_q4_amx_init(void) { return treeserve_amx::init_amx() ? 1 : 0; }
 
 }  // extern "C"
 

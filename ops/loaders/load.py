@@ -287,15 +287,17 @@ def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_d
     them back a fraction of a second.
     """
     from treeserve.ops import formats
-    from treeserve.ops.kernels import q4_amx
+    from treeserve.ops.kernels import q4_amx, q8_amx
 
     files = sorted(p for p in (source.iterdir() if source.is_dir() else [source]) if p.is_file() and p.name != Q4_BLOCKS_FILE)
     gguf = gguf_source_of(source)
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files + ([gguf] if gguf else [])]
-    code = b"".join(Path(m).read_bytes() for m in (formats.__file__, q4_amx.__file__, q4_amx.SOURCE) if m)
+    modules = (formats.__file__, q4_amx.__file__, q4_amx.SOURCE, q8_amx.__file__, q8_amx.SOURCE)
+    code = b"".join(Path(m).read_bytes() for m in modules if m)
     key = "|".join([
         repr(stats), repr([(name, tuple(p.shape)) for name, p in model.named_parameters()]), fmt.value,
         torch.__version__, hashlib.sha256(code).hexdigest(), f"amx={fmt is WeightFormat.Q4_1 and q4_amx.available()}",
+        f"q8={fmt in (WeightFormat.INT8, WeightFormat.Q4_1) and q8_amx.available()}",
         ",".join(sorted(k.__name__ for k in PREPARED_KERNELS)),
     ])
     # Named by model, format and shapes (a tensor-parallel rank's slice has its own), then the key.

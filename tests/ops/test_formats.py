@@ -16,6 +16,7 @@ from treeserve.ops.formats import (
     apply_format,
     make_linear,
     q4_blocks_from_float,
+    q8_0_from_float,
     resolve_format,
     weight_bytes_per_token,
 )
@@ -26,8 +27,9 @@ from .conftest import make_tiny_model
 
 FORMATS = tuple(f.value for f in WeightFormat)
 
-# Dimensions that are multiples of the Q4_1 block (32); the default tiny model's 48 is not.
-FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8)
+# Dimensions that are multiples of the Q4_1 and Q8_0 blocks (32); the default tiny model's 48
+# is not (nor its vocabulary of 101, so its int formats keep a bf16 head).
+FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8, vocab_size=128)
 
 # Largest |logit - float32 logit| relative to the float32 logits' spread (max - min over the
 # vocabulary), per format, on the tiny random model whose linear weights are Q4_1 values (as
@@ -39,7 +41,8 @@ LOGIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 0.05, "int8": 0.08, "q4_1": 0.05
 
 
 def q4_model(seed: int) -> tuple[torch.nn.Module, dict[str, Q4Blocks]]:
-    """A tiny float32 model whose linear weights are exactly Q4_1 values, and their blocks."""
+    """A tiny float32 model whose linear weights are exactly Q4_1 values and whose tied
+    embedding is exactly Q8_0 values (as the GGUF's are), and the Q4_1 blocks."""
     model = make_tiny_model(seed, **FORMAT_DIMS)
     blocks: dict[str, Q4Blocks] = {}
     with torch.no_grad():
@@ -47,6 +50,8 @@ def q4_model(seed: int) -> tuple[torch.nn.Module, dict[str, Q4Blocks]]:
             if name.startswith("layers.") and name.endswith("proj.weight"):
                 blocks[name] = q4_blocks_from_float(param)
                 param.copy_(blocks[name].dequantize())
+        codes, scale = q8_0_from_float(model.embed_tokens.weight)
+        model.embed_tokens.weight.copy_((codes.float().reshape(128, -1, 32) * scale.float()[..., None]).reshape(128, -1))
     return model, blocks
 
 

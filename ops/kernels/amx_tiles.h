@@ -1,0 +1,61 @@
+// What the AMX kernels (q4_amx.cpp, q8_amx.cpp) share: the CPU and OS checks, the one tile
+// configuration they use, and bf16 widening. Header-only; cpp_build keys every kernel's build
+// on this directory's headers too.
+//
+// Tiles (palette 1): tmm0, tmm1 C (16 x 16 fp32); tmm2 A (16 rows x 32 bf16); tmm3, tmm4 B
+// (16 row pairs x 16 columns x 2, the VNNI layout). One tile product is then one group of 32
+// along K, which is what both weight formats' scales are per.
+
+#pragma once
+
+#include <immintrin.h>
+#include <cpuid.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace treeserve_amx {
+
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Loads the configuration above on the calling thread (each OpenMP thread calls it).
+inline void configure_tiles() {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// True when this CPU has AMX-BF16 tiles and AVX512-BF16 and Linux granted this process the
+// tile state (arch_prctl); where false, no tile instruction may run.
+inline bool init_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  const bool avx512_bf16 = (a >> 5) & 1;
+  if (!(avx512bw && amx_bf16 && amx_tile && avx512_bf16)) return false;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// 16 bf16 values -> 16 fp32 (exact).
+inline __m512 bf16x16_to_f32(const uint16_t* src) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+}  // namespace treeserve_amx

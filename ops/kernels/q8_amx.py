@@ -1,0 +1,111 @@
+"""The int formats' LM head: 8-bit group-32 weights (the GGUF's Q8_0 blocks) times bf16 rows.
+
+The default model's embedding is tied and stored in its GGUF as Q8_0 (an int8 code per weight
+and a float16 scale per 32): 30 MB, against 57 MB for the same matrix in bf16, which until this
+kernel was the int formats' head and a quarter of their decode step. ``q8_amx.cpp`` multiplies by
+those codes and scales as they are (see its header): exact products, fp32 sums per group,
+scaled in fp32, fp32 logits out. Under :data:`MIN_ROWS` rows it streams the codes through
+AVX-512 FMAs; from there on it widens them to bf16 (exact) for AMX tiles, as ``q4_amx`` does
+with 4-bit codes. Both paths read one packing and compute with the same weight values.
+
+The source is compiled once per machine (:mod:`cpp_build`) and registers
+``torch.ops.treeserve_q8.mm``. :func:`available` says whether it runs here (a CPU with AMX-BF16,
+a compiler, a successful build); where it does not, the int formats keep a bf16 head.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from treeserve.ops.kernels import cpp_build
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+"""Weights per Q8_0 block along K; N and K must be multiples of it."""
+
+SOURCE = Path(__file__).with_name("q8_amx.cpp")
+FLAGS = (*cpp_build.AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mf16c")
+
+MIN_ROWS = 6
+"""From this many rows on, the AMX tiles run (fewer: the AVX-512 path). Measured on the default
+model's head (49152 x 576), 2 threads, codes from DRAM: at 1-4 rows the AVX-512 path takes
+0.88-0.9x the tiles' time, at 6-7 rows the tiles take 0.87-0.95x its time."""
+
+_lock = threading.Lock()
+_tried = False
+_library: ctypes.CDLL | None = None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        if not {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "f16c"} <= cpp_build.cpu_flags():
+            log.info("q8_amx: this CPU offers no AMX-BF16 tiles; the int formats keep a bf16 LM head")
+            return None
+        path = cpp_build.build(SOURCE, FLAGS)
+        if path is None:
+            return None
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as exc:
+            log.warning("q8_amx: the kernel could not be loaded (%s); the int formats keep a bf16 LM head", exc)
+            return None
+        library.ts_q8_amx_init.restype = ctypes.c_int
+        if not library.ts_q8_amx_init():
+            log.info("q8_amx: the OS refused this process the AMX tile state; the int formats keep a bf16 LM head")
+            return None
+        torch.ops.load_library(str(path))  # registers treeserve_q8::mm
+        torch.library.register_fake("treeserve_q8::mm")(_mm_shape)
+        _library = library
+        return library
+
+
+def _mm_shape(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int) -> Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+def available() -> bool:
+    """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
+    return _load() is not None
+
+
+def supports(out_features: int, in_features: int) -> bool:
+    """True when a weight of this shape fits the kernel (both sizes multiples of 32)."""
+    return out_features % GROUP == 0 and in_features % GROUP == 0
+
+
+def pack(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's layouts (see ``q8_amx.cpp``) of Q8_0 codes ``(N, K)`` int8 and their float16
+    scales ``(N, K // 32)`` (``w = codes * scale``).
+
+    Returns (codes ``(N * K,)`` int8, scales ``(N // 32, K // 32, 32)`` float16).
+    """
+    n, k = codes.shape
+    if not supports(n, k):
+        raise ValueError(f"q8_amx needs both sizes multiples of {GROUP}, got ({n}, {k})")
+    if scale.shape != (n, k // GROUP):
+        raise ValueError(f"scale must be {(n, k // GROUP)}, got {tuple(scale.shape)}")
+    # k = g*32 + r*2 + j: group g, tile row r, VNNI slot j; n = nb*32 + h*16 + c: block nb, tile h, column c.
+    q = codes.to(torch.int8).reshape(n // GROUP, 2, 16, k // GROUP, 16, 2)  # (nb, h, c, g, r, j)
+    packed = q.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)  # (nb, g, h, r, c, j)
+    scales = scale.to(torch.float16).reshape(n // GROUP, GROUP, k // GROUP).permute(0, 2, 1).contiguous()  # (nb, g, 32)
+    return packed, scales
+
+
+def mm(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int = MIN_ROWS) -> Tensor:
+    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: float32 ``(M, N)``, on :func:`pack`'s buffers.
+
+    Call only once :func:`available` has returned True (it loads the op).
+    """
+    result: Tensor = torch.ops.treeserve_q8.mm(x, codes, scales, out_features, min_rows)
+    return result
