@@ -12,8 +12,9 @@ format      activations  weights and kernel (CPU)
 float32     float32      float32, ``F.linear`` (the exact reference of every test)
 bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
-q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``_weight_int4pack_mm``
-                         for 1-3 rows, the AMX kernel of ``kernels/q4_amx`` from 4 rows on
+q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q4_amx``
+                         (AVX512-BF16 for one row, AMX tiles from two), else
+                         ``_weight_int4pack_mm_for_cpu``
 =========== ============ ==================================================================
 
 The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logits) on
@@ -22,9 +23,10 @@ The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logit
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
 representation by shape, so a server's speculative output equals its own incremental
-decoding up to float summation order. The exact equality tests run in float32. q4_1 has two
-kernels, picked by row count inside one op; both read the same codes, scales and zeros and
-neither rounds a weight (``kernels/q4_amx.py`` says how), and a test compares them.
+decoding up to float summation order. The exact equality tests run in float32. q4_1's and the
+Q8_0 head's kernels each have two paths, picked by row count inside one op; both read the same
+codes and scales and neither rounds a weight (``kernels/q4_amx.py`` and ``kernels/q8_amx.py``
+say how), and tests compare them.
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and
@@ -225,30 +227,34 @@ def int8_buffers(weight: Tensor) -> dict[str, Tensor]:
 class Int4Linear(nn.Module):
     """Weight-only 4-bit, group 32: ``w = (q - 8) * scale + zero`` (see the module docstring).
 
-    Where the AMX kernel runs (:func:`~treeserve.ops.kernels.q4_amx.available` and both sizes
-    multiples of 32) it also holds the codes in that kernel's packing (another half byte per
-    weight), and one op picks the kernel by row count. ``source``: Q4_1 blocks, or their
-    :func:`int4_buffers` (read back from a saved format).
+    Where the kernel of ``kernels/q4_amx`` runs (:func:`~treeserve.ops.kernels.q4_amx.available`
+    and both sizes multiples of 32) it holds that kernel's packing, which serves every row
+    count; elsewhere torch's ``_weight_int4pack_mm_for_cpu`` packing. ``source``: Q4_1 blocks,
+    or their :func:`int4_buffers` (read back from a saved format).
     """
 
     def __init__(self, source: Q4Blocks | Mapping[str, Tensor], bias: Tensor | None) -> None:
         super().__init__()
         buffers = int4_buffers(source) if isinstance(source, Q4Blocks) else source
-        scales_and_zeros = buffers["scales_and_zeros"]  # (K/32, N, 2)
-        self.in_features, self.out_features = scales_and_zeros.shape[0] * Q4_GROUP, scales_and_zeros.shape[1]
-        self.register_buffer("packed", buffers["packed"])
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self.amx_codes: Tensor | None
         self.amx_scales_zeros: Tensor | None
-        self.register_buffer("amx_codes", buffers.get("amx_codes"))
-        self.register_buffer("amx_scales_zeros", buffers.get("amx_scales_zeros"))
+        self.packed: Tensor | None
+        self.scales_and_zeros: Tensor | None
+        if "amx_codes" in buffers:
+            amx_scales_zeros = buffers["amx_scales_zeros"]  # (N/32, K/32, 2, 32)
+            self.out_features, self.in_features = amx_scales_zeros.shape[0] * Q4_GROUP, amx_scales_zeros.shape[1] * Q4_GROUP
+        else:
+            scales_and_zeros = buffers["scales_and_zeros"]  # (K/32, N, 2)
+            self.in_features, self.out_features = scales_and_zeros.shape[0] * Q4_GROUP, scales_and_zeros.shape[1]
+        for name in ("amx_codes", "amx_scales_zeros", "packed", "scales_and_zeros"):
+            self.register_buffer(name, buffers.get(name))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if self.amx_codes is not None and self.amx_scales_zeros is not None:
-            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.packed, self.scales_and_zeros, self.out_features)
+            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.out_features)
         else:
             out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
         out = out.reshape(*shape[:-1], self.out_features)
@@ -256,27 +262,25 @@ class Int4Linear(nn.Module):
 
     @property
     def num_weight_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False) if t is not None)
 
 
 def int4_buffers(blocks: Q4Blocks) -> dict[str, Tensor]:
-    """The int4 kernels' buffers of Q4_1 blocks: the one-row kernel's packing and bf16 scales
-    and zeros, and, where the AMX kernel runs, its packing of the same codes and values."""
+    """The 4-bit kernel's buffers of Q4_1 blocks, scales and zeros in bf16: the packing of
+    ``kernels/q4_amx`` where it runs, else torch's int4 kernel's."""
     n, k = blocks.codes.shape
     if k % Q4_GROUP:
         raise FormatUnsupportedError(f"q4_1 needs in_features divisible by {Q4_GROUP}, got {k}")
     scale = blocks.scale.float()
     zero = blocks.minimum.float() + 8 * scale
+    if q4_amx.supports(n, k) and q4_amx.available():
+        codes, scales_zeros = q4_amx.pack(blocks.codes, scale, zero)
+        return {"amx_codes": codes, "amx_scales_zeros": scales_zeros}
     scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
-    buffers = {
+    return {
         "packed": torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), INT4_INNER_K_TILES),
         "scales_and_zeros": scales_and_zeros,
     }
-    if q4_amx.supports(n, k) and q4_amx.available():
-        # The bf16 scales and zeros the one-row kernel reads, as exact fp32 values.
-        buffers["amx_codes"], buffers["amx_scales_zeros"] = q4_amx.pack(
-            blocks.codes, scales_and_zeros[..., 0].t().float(), scales_and_zeros[..., 1].t().float())
-    return buffers
 
 
 def q8_0_from_float(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,17 +1,19 @@
-"""The q4_1 format's many-row kernel: 4-bit group-32 weights times bf16 rows on AMX tiles.
+"""The q4_1 format's kernel: 4-bit group-32 weights times bf16 rows, at every row count.
 
-torch's ``_weight_int4pack_mm_for_cpu`` reads 4-bit weights fast for one row, but it computes
-in fp32 FMAs, so 16 rows cost it about six times one row, and 64 rows twenty times. The
-kernel in ``q4_amx.cpp`` multiplies the same codes, scales and zeros for several rows at once:
-a bf16 AMX tile is exactly one group of 32 along K, the codes ``q - 8`` are exact in bf16, and
-each group's partial sum is scaled in fp32, so it computes with the same weight values as the
-one-row kernel (see the C++ header) and differs from it only in float summation order.
+``q4_amx.cpp`` multiplies by the GGUF's codes with the format's bf16 scales and zeros (see its
+header): for a few rows (a decode step) by AVX512-BF16 dot products on the codes widened to
+bf16 by table, which stream the codes at close to the machine's read bandwidth; for more rows
+(trees, batches, prefills) on AMX tiles, where a bf16 tile is exactly one group of 32 along K.
+The codes ``q - 8`` are exact in bf16 and each group's partial sum is scaled in fp32, so both
+paths compute with the same weight values and differ only in float summation order. It
+replaced torch's ``_weight_int4pack_mm_for_cpu``, which computes in fp32 FMAs (16 rows cost it
+about six times one row) and took 1.21-1.24x the vector path's time for one row
+(``bench/q4_kernel.py``, two runs); it stays the format's fallback where this one cannot run.
 
 The source is compiled once per machine (about 10 s; see :mod:`cpp_build`). It registers the
-dispatcher op ``torch.ops.treeserve_q4.mm``, which takes both packings and picks the kernel by
-row count, so an eager forward and the compiled decode step call it alike. :func:`available`
-says whether it can run here: a CPU with AMX-BF16, a compiler, and a
-successful build; otherwise the q4_1 format runs the one-row kernel at every shape.
+dispatcher op ``torch.ops.treeserve_q4.mm``, which picks the path by row count, so an eager
+forward and the compiled decode step call it alike. :func:`available` says whether it can run
+here: a CPU with AMX-BF16, a compiler, and a successful build.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ GROUP = 32
 SOURCE = Path(__file__).with_name("q4_amx.cpp")
 FLAGS = (*cpp_build.AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 
-MIN_ROWS = 4
-"""From this many rows on, the AMX kernel runs (fewer rows: torch's one-row kernel). Measured
-by ``bench/q4_kernel.py`` on the default model's four weight shapes, 2 threads: at 1-2 rows
-the one-row kernel is faster (the tiles take 1.03-1.6x its time), at 4 rows they tie (0.9-1.3x
-by shape, 1.13x summed), from 8 rows on the tiles win (1.5-2.5x at 8, 2.5-4.4x at 16)."""
+MIN_ROWS = 2
+"""From this many rows on, the AMX tiles run (one row: the AVX512-BF16 path). Measured by
+``bench/q4_kernel.py`` (a decode step's 120 weights, 2 threads, two runs): at one row the tiles
+take 1.28-1.30x the vector path's time; at two rows the vector path takes 0.82x and 1.12x the
+tiles' (a tie within this machine's noise), at three 1.22-1.38x, at four 1.53-1.87x."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -52,7 +54,7 @@ def _load() -> ctypes.CDLL | None:
             return _library
         _tried = True
         if not _cpu_has_amx():
-            log.info("q4_amx: this CPU offers no AMX-BF16 tiles; q4_1 runs its one-row kernel at every shape")
+            log.info("q4_amx: this CPU offers no AMX-BF16 tiles; q4_1 runs torch's int4 kernel")
             return None
         path = cpp_build.build(SOURCE, FLAGS)
         if path is None:
@@ -60,11 +62,11 @@ def _load() -> ctypes.CDLL | None:
         try:
             library = ctypes.CDLL(str(path))
         except OSError as exc:
-            log.warning("q4_amx: the AMX kernel could not be loaded (%s); q4_1 runs its one-row kernel", exc)
+            log.warning("q4_amx: the kernel could not be loaded (%s); q4_1 runs torch's int4 kernel", exc)
             return None
         library.ts_q4_amx_init.restype = ctypes.c_int
         if not library.ts_q4_amx_init():
-            log.info("q4_amx: the OS refused this process the AMX tile state; q4_1 runs its one-row kernel")
+            log.info("q4_amx: the OS refused this process the AMX tile state; q4_1 runs torch's int4 kernel")
             return None
         torch.ops.load_library(str(path))  # registers treeserve_q4::mm
         torch.library.register_fake("treeserve_q4::mm")(_mm_shape)
@@ -76,13 +78,12 @@ def _cpu_has_amx() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"} <= cpp_build.cpu_flags()
 
 
-def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, row_packed: Tensor, row_scales_zeros: Tensor,
-              out_features: int, min_rows: int) -> Tensor:
+def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int, min_rows: int) -> Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
 def available() -> bool:
-    """True when the AMX kernel is built, loaded and allowed to use tiles on this CPU."""
+    """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
     return _load() is not None
 
 
@@ -93,9 +94,9 @@ def supports(out_features: int, in_features: int) -> bool:
 
 def pack(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor]:
     """The kernel's layouts (see ``q4_amx.cpp``) of codes ``(N, K)`` uint8 in 0..15 and the
-    fp32 ``scale`` and ``zero`` ``(N, K // 32)`` of ``w = (q - 8) * scale + zero``.
+    ``scale`` and ``zero`` ``(N, K // 32)`` of ``w = (q - 8) * scale + zero``, held in bf16.
 
-    Returns (codes ``(N * K // 2,)`` uint8, scales and zeros ``(N // 32, K // 32, 2, 32)`` fp32).
+    Returns (codes ``(N * K // 2,)`` uint8, scales and zeros ``(N // 32, K // 32, 2, 32)`` bf16).
     """
     n, k = codes.shape
     if not supports(n, k):
@@ -108,18 +109,16 @@ def pack(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor]:
     q = q.permute(0, 3, 1, 4, 5, 2, 6)  # (nb, g, h, p, r, c, j)
     packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).contiguous().reshape(-1)
     def blocked(t: Tensor) -> Tensor:
-        return t.float().reshape(n // GROUP, GROUP, k // GROUP).permute(0, 2, 1)  # (nb, g, 32)
+        return t.to(torch.bfloat16).reshape(n // GROUP, GROUP, k // GROUP).permute(0, 2, 1)  # (nb, g, 32)
     scales_zeros = torch.stack([blocked(scale), blocked(zero)], dim=2).contiguous()  # (nb, g, 2, 32)
     return packed, scales_zeros
 
 
-def mm(x: Tensor, codes: Tensor, scales_zeros: Tensor, row_packed: Tensor, row_scales_zeros: Tensor,
-       out_features: int, min_rows: int = MIN_ROWS) -> Tensor:
-    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: bf16 ``(M, N)``. ``codes``/``scales_zeros`` are
-    :func:`pack`'s; ``row_packed``/``row_scales_zeros`` the same weight packed for
-    ``torch._weight_int4pack_mm_for_cpu``, which runs when ``M < min_rows``.
+def mm(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int, min_rows: int = MIN_ROWS) -> Tensor:
+    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: bf16 ``(M, N)``, on :func:`pack`'s buffers
+    (the vector path under ``min_rows`` rows, the tiles from there on).
 
     Call only once :func:`available` has returned True (it loads the op).
     """
-    result: Tensor = torch.ops.treeserve_q4.mm(x, codes, scales_zeros, row_packed, row_scales_zeros, out_features, min_rows)
+    result: Tensor = torch.ops.treeserve_q4.mm(x, codes, scales_zeros, out_features, min_rows)
     return result

@@ -16,8 +16,11 @@
 // Work is split into items (row b, KV head g, a chunk of new tokens): the chunk's queries of all
 // H / n_kv heads that share head g (GQA: K/V never expanded) are at most kMaxRows rows, and the
 // item reads each of its keys and values once, in blocks, under an online softmax (flash
-// style: no score matrix over all slots). Scores, softmax and the weighted sum are in float32;
-// bfloat16 inputs are widened exactly and the output is rounded to nearest even.
+// style: no score matrix over all slots). When there are fewer items than a few per thread (a
+// one-row decode has one per KV head), each item's slots are split into segments of whole key
+// blocks, attended apart and merged (flash-decoding's split over the keys). Scores, softmax and
+// the weighted sum are in float32; bfloat16 inputs are widened exactly and the output is
+// rounded to nearest even.
 //
 // write_kv(keys, values, new_keys, new_values, lengths) stores the new tokens' K/V (B, T, n_kv, hd)
 // at slots lengths[b] + t of the cache, in place.
@@ -36,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -173,16 +177,24 @@ inline void row_blocks(int64_t rows, F&& run) {
 
 constexpr int kBlockKeys(int nv) { return nv <= 4 ? 64 : 32; }  // a widened block: 16 KiB per K and V at hd 64
 
-// One item: new tokens [t0, t0 + tc) of row b, the heads of KV group g.
+// One item: new tokens [t0, t0 + tc) of row b, the heads of KV group g, over slots
+// [j_begin, j_end) of the row's committed + new ones. With partial == nullptr it writes the
+// attention output; otherwise, for a segment of the slots, each row's running maximum, sum and
+// unnormalized weighted values (PartialRow), for merge_partials to combine.
+struct PartialRow {
+  float max, sum;
+  alignas(64) float acc[128];
+};
+
 template <typename T, int NV>
 void attend_item(const T* q, const T* keys, const T* values, const bool* tree_mask, int64_t committed,
-                 const Shape& s, int64_t b, int64_t g, int64_t t0, int64_t tc, T* out, float* kt, float* vbuf) {
+                 const Shape& s, int64_t b, int64_t g, int64_t t0, int64_t tc, int64_t j_begin, int64_t j_end,
+                 T* out, PartialRow* partial, float* kt, float* vbuf) {
   constexpr int64_t block = kBlockKeys(NV), width = NV * 16;
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, rows = tc * group;
   const __mmask16 tail = hd % 16 == 0 ? __mmask16(0xffff) : __mmask16((1u << (hd % 16)) - 1);
   auto lanes = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xffff); };
   const float scale = 1.0f / std::sqrt(float(hd)), minus_inf = -std::numeric_limits<float>::infinity();
-  const int64_t total = committed + s.num_new;
   const T* kbase = keys + (b * s.kv_heads + g) * s.capacity * hd;
   const T* vbase = values + (b * s.kv_heads + g) * s.capacity * hd;
 
@@ -200,8 +212,8 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     run_max[r] = minus_inf;
     run_sum[r] = 0.0f;
   }
-  for (int64_t j0 = 0; j0 < total; j0 += block) {
-    const int64_t n = std::min(block, total - j0), padded = (n + 15) / 16 * 16;
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += block) {
+    const int64_t n = std::min(block, j_end - j0), padded = (n + 15) / 16 * 16;
     // The block's keys widened to float32 and transposed (kt[d * block + j]), its values widened
     // (vbuf[j * width + d]): once for all of the item's rows.
     for (int64_t j = 0; j < padded; j += 16) {
@@ -262,11 +274,45 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
       for (int64_t r = 0; r < rows; ++r) block_values<1, NV>(vbuf, n, score + r, shrink + r, acc + r);
     }
   }
+  if (partial != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      partial[r].max = run_max[r];
+      partial[r].sum = run_sum[r];
+      for (int c = 0; c < NV; ++c) _mm512_store_ps(partial[r].acc + c * 16, _mm512_load_ps(acc[r] + c * 16));
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / group, h = g * group + r % group;
     T* o = out + ((b * s.num_new + t) * s.heads + h) * hd;
     const __m512 inv = _mm512_set1_ps(run_sum[r] == 0.0f ? 0.0f : 1.0f / run_sum[r]);  // nothing seen: 0; NaN stays
     for (int c = 0; c < NV; ++c) store(o + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), inv), lanes(c));
+  }
+}
+
+// The output of an item's rows from its segments' partial results: the online softmax's merge.
+template <typename T, int NV>
+void merge_partials(const PartialRow* parts, int64_t segments, int64_t rows, const Shape& s, int64_t b, int64_t g,
+                    int64_t t0, T* out) {
+  const int64_t hd = s.head_dim, group = s.heads / s.kv_heads;
+  const __mmask16 tail = hd % 16 == 0 ? __mmask16(0xffff) : __mmask16((1u << (hd % 16)) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < segments; ++k) top = std::max(top, parts[k * kMaxRows + r].max);
+    float sum = 0.0f;
+    __m512 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < segments; ++k) {
+      const PartialRow& p = parts[k * kMaxRows + r];
+      if (p.max == -std::numeric_limits<float>::infinity() && !std::isnan(p.sum)) continue;  // saw nothing
+      const float w = std::exp(p.max - top);
+      sum += p.sum * w;
+      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(_mm512_load_ps(p.acc + c * 16), _mm512_set1_ps(w), acc[c]);
+    }
+    const int64_t t = t0 + r / group, h = g * group + r % group;
+    T* o = out + ((b * s.num_new + t) * s.heads + h) * hd;
+    const __m512 inv = _mm512_set1_ps(sum == 0.0f ? 0.0f : 1.0f / sum);  // nothing seen: 0; NaN stays
+    for (int c = 0; c < NV; ++c) store(o + c * 16, _mm512_mul_ps(acc[c], inv), c == NV - 1 ? tail : __mmask16(0xffff));
   }
 }
 
@@ -279,15 +325,42 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lengths, 
   const int64_t tc = (s.num_new + chunks - 1) / chunks;  // balanced chunks
   const int64_t items = s.batch * s.kv_heads * chunks;
   const int64_t work = items * tc * group * (lengths[0] + s.num_new);
-  const int threads = work < (1 << 13) ? 1 : at::get_num_threads();  // tiny steps: no fork
+  const int threads = work < (1 << 11) ? 1 : at::get_num_threads();  // tiny steps: no fork
+  // Fewer items than a few per thread (a one-row decode has one per KV head): each item's slots
+  // are split into segments of whole key blocks, attended apart and merged (flash-decoding).
+  int64_t longest = 0;
+  for (int64_t b = 0; b < s.batch; ++b) longest = std::max(longest, lengths[b] + s.num_new);
+  const int64_t block = kBlockKeys(NV);
+  const int64_t wanted = threads == 1 || items >= 4 * threads ? 1 : (4 * threads + items - 1) / items;
+  const int64_t segment = std::max<int64_t>(1, (longest + wanted * block - 1) / (wanted * block)) * block;
+  const int64_t segments = (longest + segment - 1) / segment;
+  std::vector<PartialRow> parts(segments > 1 ? items * segments * kMaxRows : 0);
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float kt[kBlockKeys(NV) * NV * 16], vbuf[kBlockKeys(NV) * NV * 16];
 #pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < items * segments; ++unit) {
+      const int64_t item = unit / segments, k = unit % segments;
+      const int64_t b = item / (s.kv_heads * chunks), g = item / chunks % s.kv_heads, c = item % chunks;
+      const int64_t t0 = c * tc, count = std::min(tc, s.num_new - t0), total = lengths[b] + s.num_new;
+      const int64_t j_begin = k * segment, j_end = std::min(total, j_begin + segment);
+      if (count <= 0) continue;
+      PartialRow* partial = segments > 1 ? parts.data() + (item * segments + k) * kMaxRows : nullptr;
+      if (j_begin >= j_end) {  // this row is shorter than the longest: an empty segment
+        for (int64_t r = 0; r < count * group; ++r) {
+          partial[r].max = -std::numeric_limits<float>::infinity();
+          partial[r].sum = 0.0f;
+        }
+        continue;
+      }
+      attend_item<T, NV>(q, keys, values, tree_mask, lengths[b], s, b, g, t0, count, j_begin, j_end, out, partial, kt, vbuf);
+    }
+  }
+  if (segments > 1) {
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / (s.kv_heads * chunks), g = item / chunks % s.kv_heads, c = item % chunks;
       const int64_t t0 = c * tc, count = std::min(tc, s.num_new - t0);
-      if (count > 0) attend_item<T, NV>(q, keys, values, tree_mask, lengths[b], s, b, g, t0, count, out, kt, vbuf);
+      if (count > 0) merge_partials<T, NV>(parts.data() + item * segments * kMaxRows, segments, count * group, s, b, g, t0, out);
     }
   }
 }

@@ -61,6 +61,30 @@ def test_kernel_matches_the_float64_reference(case: tuple, dtype: torch.dtype) -
     assert (got.double() - reference(q, k, v, lengths, parents)).abs().max().item() < tolerance
 
 
+# Few items for the threads (one row, or two): each item's slots are split into segments,
+# attended apart and merged; ragged rows leave the short row's later segments empty.
+SPLIT_CASES = [
+    (9, 3, 64, 1, [300]),
+    (9, 3, 64, 5, [400]),  # a tree in the last segment
+    (9, 3, 64, 1, [500, 3]),
+    (6, 2, 16, 2, [1000]),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda case: f"h{case[0]}kv{case[1]}t{case[3]}len{case[4]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_split_over_threads_merge_to_the_reference(case: tuple, dtype: torch.dtype) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs more than one thread
+    try:
+        q, k, v, lengths, parents = inputs(case, dtype, seed=3)
+        got = tree_attention_cpu.tree_decode(q, k, v, lengths, tree_mask_from_parents(torch.tensor(parents)))
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    assert (got.double() - reference(q, k, v, lengths, parents)).abs().max().item() < tolerance
+
+
 def test_a_mask_that_leaks_siblings_is_caught() -> None:
     """The check has power: the same tree attended as a chain misses the reference."""
     q, k, v, lengths, parents = inputs((6, 2, 16, 9, [0, 13]), torch.float32, seed=3)
