@@ -10,13 +10,15 @@ instructions a kernel needs, gets ``None`` and the caller's torch fallback.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -88,3 +90,49 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         log.warning("%s could not be built (%s); its torch fallback runs", source.name, detail)
         return None
+
+
+AMX_CPU_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"})
+"""What an AMX kernel needs of the CPU (as ``/proc/cpuinfo`` spells it)."""
+
+
+_amx_lock = threading.Lock()
+_amx_loaded: dict[Path, bool] = {}
+
+
+def load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
+                 fallback: str) -> bool:
+    """Build and load an AMX kernel once per process (one ``.cpp`` with an ``int
+    init_symbol(void)`` that asks the OS for the tile state, see ``amx_tiles.h``), and register
+    its ops' shape functions (``fakes``: op name -> function). False, logged with ``fallback``
+    (what runs instead), when this CPU, compiler or OS cannot run it; then no tile instruction
+    may run. Later calls return the first call's answer."""
+    with _amx_lock:
+        if source not in _amx_loaded:
+            _amx_loaded[source] = _load_amx_ops(source, flags, init_symbol, fakes, fallback)
+        return _amx_loaded[source]
+
+
+def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
+                  fallback: str) -> bool:
+    name = source.stem
+    if not AMX_CPU_FLAGS <= cpu_flags():
+        log.info("%s: this CPU offers no AMX-BF16 tiles; %s", name, fallback)
+        return False
+    path = build(source, flags)
+    if path is None:
+        return False
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("%s: the kernel could not be loaded (%s); %s", name, exc, fallback)
+        return False
+    init = getattr(library, init_symbol)
+    init.restype = ctypes.c_int
+    if not init():
+        log.info("%s: the OS refused this process the AMX tile state; %s", name, fallback)
+        return False
+    torch.ops.load_library(str(path))  # registers the ops
+    for op, shape in fakes.items():
+        torch.library.register_fake(op)(shape)
+    return True

@@ -18,9 +18,7 @@ here: a CPU with AMX-BF16, a compiler, and a successful build.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -42,49 +40,14 @@ MIN_ROWS = 2
 take 1.28-1.30x the vector path's time; at two rows the vector path takes 0.82x and 1.12x the
 tiles' (a tie within this machine's noise), at three 1.22-1.38x, at four 1.53-1.87x."""
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def _load() -> ctypes.CDLL | None:
-    global _library, _tried
-    with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        if not _cpu_has_amx():
-            log.info("q4_amx: this CPU offers no AMX-BF16 tiles; q4_1 runs torch's int4 kernel")
-            return None
-        path = cpp_build.build(SOURCE, FLAGS)
-        if path is None:
-            return None
-        try:
-            library = ctypes.CDLL(str(path))
-        except OSError as exc:
-            log.warning("q4_amx: the kernel could not be loaded (%s); q4_1 runs torch's int4 kernel", exc)
-            return None
-        library.ts_q4_amx_init.restype = ctypes.c_int
-        if not library.ts_q4_amx_init():
-            log.info("q4_amx: the OS refused this process the AMX tile state; q4_1 runs torch's int4 kernel")
-            return None
-        torch.ops.load_library(str(path))  # registers treeserve_q4::mm
-        torch.library.register_fake("treeserve_q4::mm")(_mm_shape)
-        _library = library
-        return library
-
-
-def _cpu_has_amx() -> bool:
-    return {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"} <= cpp_build.cpu_flags()
-
-
 def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int, min_rows: int) -> Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
 def available() -> bool:
     """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
-    return _load() is not None
+    return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q4_amx_init", {"treeserve_q4::mm": _mm_shape},
+                                  "q4_1 runs torch's int4 kernel")
 
 
 def supports(out_features: int, in_features: int) -> bool:

@@ -15,9 +15,7 @@ a compiler, a successful build); where it does not, the int formats keep a bf16 
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -38,45 +36,14 @@ MIN_ROWS = 6
 model's head (49152 x 576), 2 threads, codes from DRAM: at 1-4 rows the AVX-512 path takes
 0.88-0.9x the tiles' time, at 6-7 rows the tiles take 0.87-0.95x its time."""
 
-_lock = threading.Lock()
-_tried = False
-_library: ctypes.CDLL | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    global _library, _tried
-    with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        if not {"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "f16c"} <= cpp_build.cpu_flags():
-            log.info("q8_amx: this CPU offers no AMX-BF16 tiles; the int formats keep a bf16 LM head")
-            return None
-        path = cpp_build.build(SOURCE, FLAGS)
-        if path is None:
-            return None
-        try:
-            library = ctypes.CDLL(str(path))
-        except OSError as exc:
-            log.warning("q8_amx: the kernel could not be loaded (%s); the int formats keep a bf16 LM head", exc)
-            return None
-        library.ts_q8_amx_init.restype = ctypes.c_int
-        if not library.ts_q8_amx_init():
-            log.info("q8_amx: the OS refused this process the AMX tile state; the int formats keep a bf16 LM head")
-            return None
-        torch.ops.load_library(str(path))  # registers treeserve_q8::mm
-        torch.library.register_fake("treeserve_q8::mm")(_mm_shape)
-        _library = library
-        return library
-
-
 def _mm_shape(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int) -> Tensor:
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 def available() -> bool:
     """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
-    return _load() is not None
+    return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q8_amx_init", {"treeserve_q8::mm": _mm_shape},
+                                  "the int formats keep a bf16 LM head")
 
 
 def supports(out_features: int, in_features: int) -> bool:
