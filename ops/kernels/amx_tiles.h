@@ -1,5 +1,6 @@
 // What the AMX kernels (q4_amx.cpp, q8_amx.cpp) share: the CPU and OS checks, the one tile
-// configuration they use, and bf16 widening. Header-only; cpp_build keys every kernel's build
+// configuration they use, one group's tile products, bf16 widening, row padding and the split
+// of output blocks over torch's threads. Header-only; cpp_build keys every kernel's build
 // on this directory's headers too.
 //
 // Tiles (palette 1): tmm0, tmm1 C (16 x 16 fp32); tmm2 A (16 rows x 32 bf16); tmm3, tmm4 B
@@ -8,9 +9,12 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <cpuid.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -56,6 +60,45 @@ inline bool init_amx() {
 inline __m512 bf16x16_to_f32(const uint16_t* src) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The B tiles (tmm3, tmm4) from one group's two expanded 16 x 32 bf16 tiles.
+inline void load_b_tiles(const uint16_t* b0, const uint16_t* b1) {
+  _tile_loadd(3, b0, 64);
+  _tile_loadd(4, b1, 64);
+}
+
+// One group's products for 16 rows: A = 16 rows of 32 bf16 at a (row stride stride_bytes)
+// times the loaded B tiles, stored as fp32 columns 0..15 in c0 and 16..31 in c1 (16 x 16 each).
+inline void group_products(const uint16_t* a, int64_t stride_bytes, float* c0, float* c1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, a, stride_bytes);
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_dpbf16ps(1, 2, 4);
+  _tile_stored(0, c0, 64);
+  _tile_stored(1, c1, 64);
+}
+
+// x (M, K) bf16 copied to whole tiles of 16 rows, the padding zero (free() it).
+inline uint16_t* padded_rows(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  uint16_t* xa = static_cast<uint16_t*>(aligned_alloc(64, ((Mp * K * 2 + 63) / 64) * 64));
+  memcpy(xa, x, M * K * 2);
+  memset(xa + M * K, 0, (Mp - M) * K * 2);
+  return xa;
+}
+
+// body(begin, end) on torch's threads, output blocks [0, NB) split evenly.
+template <class Body>
+void over_blocks(int64_t NB, Body body) {
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
+    if (begin < end) body(begin, end);
+  }
 }
 
 }  // namespace treeserve_amx

@@ -42,6 +42,9 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
+using treeserve_amx::group_products;
+using treeserve_amx::load_b_tiles;
+using treeserve_amx::over_blocks;
 
 // bf16 bit patterns of q - 8 for q in 0..15 (entries 16..31 unused).
 __m512i code_table() {
@@ -120,18 +123,11 @@ void gemm_blocks(const uint16_t* xa, const float* xs, const int64_t M, const int
       prefetch_group(src, s);
       expand_tile(src, bbuf[0], table);
       expand_tile(src + 256, bbuf[1], table);
-      _tile_loadd(3, bbuf[0], 64);
-      _tile_loadd(4, bbuf[1], 64);
+      load_b_tiles(bbuf[0], bbuf[1]);
       const __m512 s0 = bf16x16_to_f32(s), s1 = bf16x16_to_f32(s + 16);
       const __m512 z0 = bf16x16_to_f32(s + 32), z1 = bf16x16_to_f32(s + 48);
       for (int64_t mt = 0; mt < MT; ++mt) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(2, xa + mt * 16 * K + g * 32, K * 2);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
-        _tile_stored(0, cbuf[0], 64);
-        _tile_stored(1, cbuf[1], 64);
+        group_products(xa + mt * 16 * K + g * 32, K * 2, cbuf[0], cbuf[1]);
         const int64_t valid = M - mt * 16 < 16 ? M - mt * 16 : 16;
         for (int64_t r = 0; r < valid; ++r) {
           const int64_t m = mt * 16 + r;
@@ -157,18 +153,10 @@ void gemm_blocks(const uint16_t* xa, const float* xs, const int64_t M, const int
 void gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const uint16_t* sz, uint16_t* y) {
   const int64_t G = K / 32, NB = N / 32, MT = (M + 15) / 16, Mp = MT * 16;
   // Rows padded to whole tiles, and each row's per-group sums (the zero term's factor).
-  uint16_t* xa = static_cast<uint16_t*>(aligned_alloc(64, ((Mp * K * 2 + 63) / 64) * 64));
+  uint16_t* xa = treeserve_amx::padded_rows(x, M, K);
   float* xs = static_cast<float*>(aligned_alloc(64, ((Mp * G * 4 + 63) / 64) * 64));
-  memcpy(xa, x, M * K * 2);
-  memset(xa + M * K, 0, (Mp - M) * K * 2);
   group_sums(xa, Mp, K, xs);
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
-    if (begin < end) gemm_blocks(xa, xs, M, K, N, codes, sz, y, begin, end);
-  }
+  over_blocks(NB, [&](int64_t begin, int64_t end) { gemm_blocks(xa, xs, M, K, N, codes, sz, y, begin, end); });
   free(xa);
   free(xs);
 }
@@ -227,12 +215,8 @@ void vector_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8
   const int64_t G = K / 32, NB = N / 32;
   float* xs = static_cast<float*>(aligned_alloc(64, ((M * G * 4 + 63) / 64) * 64));
   group_sums(x, M, K, xs);
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
-    for (int64_t m = 0; m < M && begin < end; m += kMaxVectorRows) {
+  over_blocks(NB, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kMaxVectorRows) {
       const int64_t rows = M - m < kMaxVectorRows ? M - m : kMaxVectorRows;
       const uint16_t* xm = x + m * K;
       const float* xsm = xs + m * G;
@@ -241,7 +225,7 @@ void vector_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8
       else if (rows == 2) vector_blocks<2>(xm, xsm, K, N, codes, sz, ym, begin, end);
       else vector_blocks<3>(xm, xsm, K, N, codes, sz, ym, begin, end);
     }
-  }
+  });
   free(xs);
 }
 

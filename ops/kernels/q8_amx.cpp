@@ -40,6 +40,9 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
+using treeserve_amx::group_products;
+using treeserve_amx::load_b_tiles;
+using treeserve_amx::over_blocks;
 
 constexpr int64_t kBlockBytes = 2 * 16 * 32;  // codes of one 32-column block for one group
 constexpr int kMaxVectorRows = 8;
@@ -138,19 +141,12 @@ void tile_blocks(const uint16_t* xa, int64_t M, int64_t K, int64_t N, const int8
       prefetch_block(src);
       expand_tile(src, bbuf[0]);
       expand_tile(src + 512, bbuf[1]);
-      _tile_loadd(3, bbuf[0], 64);
-      _tile_loadd(4, bbuf[1], 64);
+      load_b_tiles(bbuf[0], bbuf[1]);
       const uint16_t* s = scales + (nb * G + g) * 32;
       const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
       for (int64_t mt = 0; mt < MT; ++mt) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(2, xa + mt * 16 * K + g * 32, K * 2);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
-        _tile_stored(0, cbuf[0], 64);
-        _tile_stored(1, cbuf[1], 64);
+        group_products(xa + mt * 16 * K + g * 32, K * 2, cbuf[0], cbuf[1]);
         const int64_t valid = M - mt * 16 < 16 ? M - mt * 16 : 16;
         for (int64_t r = 0; r < valid; ++r) {
           float* out = acc + (mt * 16 + r) * 32;
@@ -163,18 +159,6 @@ void tile_blocks(const uint16_t* xa, int64_t M, int64_t K, int64_t N, const int8
   }
   free(acc);
   _tile_release();
-}
-
-// Output blocks split evenly over torch's threads.
-template <class Body>
-void over_blocks(int64_t NB, Body body) {
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
-    if (begin < end) body(begin, end);
-  }
 }
 
 template <int R>
@@ -200,10 +184,7 @@ void vector_rows(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_
 
 void tile_rows(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* codes, const uint16_t* scales,
                float* y) {
-  const int64_t Mp = (M + 15) / 16 * 16;
-  uint16_t* xa = static_cast<uint16_t*>(aligned_alloc(64, ((Mp * K * 2 + 63) / 64) * 64));
-  memcpy(xa, x, M * K * 2);
-  memset(xa + M * K, 0, (Mp - M) * K * 2);
+  uint16_t* xa = treeserve_amx::padded_rows(x, M, K);
   over_blocks(N / 32, [&](int64_t begin, int64_t end) { tile_blocks(xa, M, K, N, codes, scales, y, begin, end); });
   free(xa);
 }
