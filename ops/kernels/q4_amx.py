@@ -7,8 +7,9 @@ bf16 by table, which stream the codes at close to the machine's read bandwidth; 
 The codes ``q - 8`` are exact in bf16 and each group's partial sum is scaled in fp32, so both
 paths compute with the same weight values and differ only in float summation order. It
 replaced torch's ``_weight_int4pack_mm_for_cpu``, which computes in fp32 FMAs (16 rows cost it
-about six times one row) and took 1.21-1.24x the vector path's time for one row
-(``bench/q4_kernel.py``, two runs); it stays the format's fallback where this one cannot run.
+about six times one row) and took 1.01-1.24x the vector path's time for one row
+(``bench/q4_kernel.py``, seven runs, median 1.09x); it stays the format's fallback where this
+one cannot run.
 
 The source is compiled once per machine (about 10 s; see :mod:`cpp_build`). It registers the
 dispatcher op ``torch.ops.treeserve_q4.mm``, which picks the path by row count, so an eager
