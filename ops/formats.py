@@ -13,7 +13,8 @@ float32     float32      float32, ``F.linear`` (the exact reference of every tes
 bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
 q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q4_amx``
-                         (AVX512-BF16 for one row, AMX tiles from two), else
+                         (AVX512-BF16 for one row, AMX tiles from two; without
+                         AMX the AVX512-BF16 path at every shape), else
                          ``_weight_int4pack_mm_for_cpu``
 =========== ============ ==================================================================
 

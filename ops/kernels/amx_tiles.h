@@ -1,4 +1,5 @@
-// What the AMX kernels (q4_amx.cpp, q8_amx.cpp) share: the CPU and OS checks, the one tile
+// What the AMX kernels (q4_amx.cpp, q8_amx.cpp) share: the CPU and OS checks (init: vector
+// paths everywhere with AVX-512, tiles only where AMX is granted), the one tile
 // configuration they use, one group's tile products, bf16 widening, row padding and the split
 // of output blocks over torch's threads. Header-only; cpp_build keys every kernel's build
 // on this directory's headers too.
@@ -44,16 +45,26 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// True when this CPU has AMX-BF16 tiles and AVX512-BF16 and Linux granted this process the
-// tile state (arch_prctl); where false, no tile instruction may run.
-inline bool init_amx() {
+// What a kernel's init reports (a bit mask): its vector paths may run (the CPU has AVX-512BW,
+// and AVX512-BF16 where the kernel asks for it), and its tile paths may run too (AMX-BF16 tiles,
+// which Linux granted this process with arch_prctl).
+constexpr int kVectors = 1;
+constexpr int kTiles = 2;
+
+// Whether this process may run tile instructions, set once by init(); every tile path checks
+// it, so a kernel loaded on a CPU (or a VM) without AMX runs its vector paths at every shape.
+inline bool tiles_granted = false;
+
+inline int init(bool needs_avx512_bf16) {
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
   const bool avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
   const bool avx512_bf16 = (a >> 5) & 1;
-  if (!(avx512bw && amx_bf16 && amx_tile && avx512_bf16)) return false;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  if (!avx512bw || (needs_avx512_bf16 && !avx512_bf16)) return 0;
+  tiles_granted = amx_bf16 && amx_tile && avx512_bf16 &&
+                  syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return kVectors | (tiles_granted ? kTiles : 0);
 }
 
 // 16 bf16 values -> 16 fp32 (exact).

@@ -92,47 +92,57 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
         return None
 
 
-AMX_CPU_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"})
-"""What an AMX kernel needs of the CPU (as ``/proc/cpuinfo`` spells it)."""
+VECTORS = 1
+TILES = 2
+"""The bits of what an AMX kernel's init reports (``treeserve_amx::init`` in ``amx_tiles.h``):
+its vector paths may run; its AMX tile paths may run too."""
 
 
 _amx_lock = threading.Lock()
-_amx_loaded: dict[Path, bool] = {}
+_amx_loaded: dict[Path, int] = {}
 
 
 def load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
-                 fallback: str) -> bool:
+                 needs: frozenset[str], fallback: str) -> int:
     """Build and load an AMX kernel once per process (one ``.cpp`` with an ``int
-    init_symbol(void)`` that asks the OS for the tile state, see ``amx_tiles.h``), and register
-    its ops' shape functions (``fakes``: op name -> function). False, logged with ``fallback``
-    (what runs instead), when this CPU, compiler or OS cannot run it; then no tile instruction
-    may run. Later calls return the first call's answer."""
+    init_symbol(void)`` that checks the CPU and asks the OS for the tile state, see
+    ``amx_tiles.h``), and register its ops' shape functions (``fakes``: op name -> function).
+
+    Returns the init's mask: :data:`VECTORS` where the kernel runs on this CPU (which must
+    offer ``needs``, as ``/proc/cpuinfo`` spells them), with :data:`TILES` where this process
+    may also run AMX tiles (without them the op runs its vector paths at every shape); 0,
+    logged with ``fallback`` (what runs instead), where this CPU, compiler or OS cannot run it.
+    Later calls return the first call's answer."""
     with _amx_lock:
         if source not in _amx_loaded:
-            _amx_loaded[source] = _load_amx_ops(source, flags, init_symbol, fakes, fallback)
+            _amx_loaded[source] = _load_amx_ops(source, flags, init_symbol, fakes, needs, fallback)
         return _amx_loaded[source]
 
 
 def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
-                  fallback: str) -> bool:
+                  needs: frozenset[str], fallback: str) -> int:
     name = source.stem
-    if not AMX_CPU_FLAGS <= cpu_flags():
-        log.info("%s: this CPU offers no AMX-BF16 tiles; %s", name, fallback)
-        return False
+    missing = needs - cpu_flags()
+    if missing:
+        log.info("%s: this CPU lacks %s; %s", name, ", ".join(sorted(missing)), fallback)
+        return 0
     path = build(source, flags)
     if path is None:
-        return False
+        return 0
     try:
         library = ctypes.CDLL(str(path))
     except OSError as exc:
         log.warning("%s: the kernel could not be loaded (%s); %s", name, exc, fallback)
-        return False
+        return 0
     init = getattr(library, init_symbol)
     init.restype = ctypes.c_int
-    if not init():
-        log.info("%s: the OS refused this process the AMX tile state; %s", name, fallback)
-        return False
+    mask = int(init())
+    if not mask & VECTORS:
+        log.info("%s: the kernel's CPU check failed; %s", name, fallback)
+        return 0
+    if not mask & TILES:
+        log.info("%s: no AMX tiles for this process (CPU, VM or OS); its vector path runs at every shape", name)
     torch.ops.load_library(str(path))  # registers the ops
     for op, shape in fakes.items():
         torch.library.register_fake(op)(shape)
-    return True
+    return mask

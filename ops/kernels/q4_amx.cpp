@@ -22,7 +22,8 @@
 // Requires K % 32 == 0 and N % 32 == 0. Threads: OpenMP (torch's own libgomp), torch's thread count.
 //
 // The op treeserve_q4::mm (registered below) is what the q4_1 format calls at every shape: under
-// min_rows rows the vector path, from min_rows rows on the tiles. Both prefetch the codes a few
+// min_rows rows the vector path, from min_rows rows on the tiles (where this process has none,
+// the vector path at every row count). Both prefetch the codes a few
 // groups ahead (without it a one-row step read them 1.2x slower, measured).
 
 #include <ATen/Parallel.h>
@@ -97,9 +98,10 @@ void group_sums(const uint16_t* x, int64_t M, int64_t K, float* xs) {
 
 extern "C" {
 
-// 1 when this CPU has AMX-BF16 tiles and AVX512-BF16 and the kernel granted this process the
-// tile state (Linux arch_prctl); 0 otherwise, and the caller must not call the op.
-int ts_q4_amx_init(void) { return treeserve_amx::init_amx() ? 1 : 0; }
+// treeserve_amx::init's mask: 0 when this CPU lacks AVX512-BF16 (the caller must not call the
+// op); kVectors alone where it has no AMX tiles for this process (the op then runs the vector
+// path at every row count); kVectors | kTiles where both run.
+int ts_q4_amx_init(void) { return treeserve_amx::init(true); }
 
 }  // extern "C"
 
@@ -242,7 +244,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (M < min_rows) {
+  if (M < min_rows || !treeserve_amx::tiles_granted) {
     vector_gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);
   } else {
     gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);

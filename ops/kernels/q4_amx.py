@@ -14,7 +14,8 @@ one cannot run.
 The source is compiled once per machine (about 10 s; see :mod:`cpp_build`). It registers the
 dispatcher op ``torch.ops.treeserve_q4.mm``, which picks the path by row count, so an eager
 forward and the compiled decode step call it alike. :func:`available` says whether it can run
-here: a CPU with AMX-BF16, a compiler, and a successful build.
+here: a CPU with AVX512-BF16, a compiler, and a successful build; :func:`tiles` whether the
+tile path does too (AMX-BF16, granted by the OS; a VM may hide it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ GROUP = 32
 
 SOURCE = Path(__file__).with_name("q4_amx.cpp")
 FLAGS = (*cpp_build.AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+CPU_NEEDS = frozenset({"avx512bw", "avx512_bf16"})
+"""What the vector path needs of the CPU (``/proc/cpuinfo``'s names); the tiles need AMX too."""
 
 MIN_ROWS = 2
 """From this many rows on, the AMX tiles run (one row: the AVX512-BF16 path). Measured by
@@ -45,10 +48,22 @@ def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int,
     return x.new_empty((x.shape[0], out_features))
 
 
-def available() -> bool:
-    """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
+def _loaded() -> int:
     return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q4_amx_init", {"treeserve_q4::mm": _mm_shape},
-                                  "q4_1 runs torch's int4 kernel")
+                                  CPU_NEEDS, "q4_1 runs torch's int4 kernel")
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded and runs on this CPU (AVX512-BF16), whether or
+    not it may use AMX tiles (:func:`tiles`)."""
+    return bool(_loaded() & cpp_build.VECTORS)
+
+
+def tiles() -> bool:
+    """True when the kernel runs and this process may use AMX tiles: the op's tile path runs from
+    ``min_rows`` rows on. Where False (no AMX on the CPU, or hidden by a VM) it runs the vector
+    path at every row count."""
+    return bool(_loaded() & cpp_build.TILES)
 
 
 def supports(out_features: int, in_features: int) -> bool:

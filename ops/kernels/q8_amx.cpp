@@ -11,7 +11,7 @@
 //   * fewer than min_rows rows: AVX-512 FMAs on the codes widened to fp32 (a matrix-vector
 //     product that streams the codes once; its cost is their bytes);
 //   * from min_rows rows on: AMX tiles, the codes widened to bf16 (exact) one group at a time,
-//     as q4_amx.cpp does for 4-bit codes.
+//     as q4_amx.cpp does for 4-bit codes (where this process has no tiles: the AVX-512 path).
 // Both prefetch the codes a few groups ahead.
 //
 // Layouts (built by treeserve.ops.kernels.q8_amx.pack):
@@ -203,7 +203,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const auto* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* yp = y.data_ptr<float>();
-  if (M >= min_rows) {
+  if (M >= min_rows && treeserve_amx::tiles_granted) {
     tile_rows(xp, M, K, N, cp, sp, yp);
   } else {
     for (int64_t m = 0; m < M; m += kMaxVectorRows - 1) {
@@ -218,8 +218,9 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
 
 extern "C" {
 
-// 1 when this process may run the tile path (see treeserve_amx::init_amx), 0 otherwise.
-int ts_q8_amx_init(void) { return treeserve_amx::init_amx() ? 1 : 0; }
+// treeserve_amx::init's mask: 0 without AVX-512BW (the caller must not call the op); kVectors
+// alone where this process has no AMX tiles (the AVX-512 path then runs at every row count).
+int ts_q8_amx_init(void) { return treeserve_amx::init(false); }
 
 }  // extern "C"
 

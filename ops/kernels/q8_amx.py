@@ -9,8 +9,9 @@ AVX-512 FMAs; from there on it widens them to bf16 (exact) for AMX tiles, as ``q
 with 4-bit codes. Both paths read one packing and compute with the same weight values.
 
 The source is compiled once per machine (:mod:`cpp_build`) and registers
-``torch.ops.treeserve_q8.mm``. :func:`available` says whether it runs here (a CPU with AMX-BF16,
-a compiler, a successful build); where it does not, the int formats keep a bf16 head.
+``torch.ops.treeserve_q8.mm``. :func:`available` says whether it runs here (a CPU with AVX-512,
+a compiler, a successful build; :func:`tiles` whether AMX tiles do too); where it does not, the
+int formats keep a bf16 head.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ GROUP = 32
 
 SOURCE = Path(__file__).with_name("q8_amx.cpp")
 FLAGS = (*cpp_build.AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mf16c")
+CPU_NEEDS = frozenset({"avx512bw", "f16c"})
+"""What the AVX-512 path needs of the CPU (``/proc/cpuinfo``'s names); the tiles need AMX too."""
 
 MIN_ROWS = 6
 """From this many rows on, the AMX tiles run (fewer: the AVX-512 path). Measured on the default
@@ -40,10 +43,21 @@ def _mm_shape(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_r
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
-def available() -> bool:
-    """True when the kernel is built, loaded and allowed to use tiles on this CPU."""
+def _loaded() -> int:
     return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q8_amx_init", {"treeserve_q8::mm": _mm_shape},
-                                  "the int formats keep a bf16 LM head")
+                                  CPU_NEEDS, "the int formats keep a bf16 LM head")
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded and runs on this CPU (AVX-512), whether or not it
+    may use AMX tiles (:func:`tiles`)."""
+    return bool(_loaded() & cpp_build.VECTORS)
+
+
+def tiles() -> bool:
+    """True when the kernel runs and this process may use AMX tiles (from ``min_rows`` rows on);
+    where False the AVX-512 path runs at every row count."""
+    return bool(_loaded() & cpp_build.TILES)
 
 
 def supports(out_features: int, in_features: int) -> bool:

@@ -11,7 +11,7 @@ import torch
 from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import q4_amx
 
-pytestmark = pytest.mark.skipif(not q4_amx.available(), reason="needs a CPU with AMX-BF16 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not q4_amx.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
 
 
 def _layer(out_features: int, in_features: int, seed: int) -> tuple[Int4Linear, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:

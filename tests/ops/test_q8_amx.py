@@ -10,7 +10,7 @@ import torch
 from treeserve.ops.formats import Q8Linear, q8_0_from_float, q8_buffers
 from treeserve.ops.kernels import q8_amx
 
-pytestmark = pytest.mark.skipif(not q8_amx.available(), reason="needs a CPU with AMX-BF16 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not q8_amx.available(), reason="needs a CPU with AVX-512 and a C++ compiler")
 
 ROW_COUNTS = (1, 2, 5, 6, 16, 17, 40)  # the AVX-512 path, up to MIN_ROWS, whole tiles, tails
 
