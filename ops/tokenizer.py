@@ -97,6 +97,7 @@ class Tokenizer:
         self.special_tokens: tuple[str, ...] = tuple(specials)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain: BackendTokenizer | None = None
+        self._template: Any = None  # the chat template compiled by jinja2, on first use
 
     @property
     def _plain_backend(self) -> BackendTokenizer:
@@ -242,23 +243,36 @@ class Tokenizer:
         The template runs in jinja2's immutable sandbox with HF's settings (trim_blocks,
         lstrip_blocks). Raises :class:`TokenizerError` if the model has no template.
         """
-        if self.chat_template is None:
-            raise TokenizerError("this model has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TokenizerError(f"chat template error: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
-        return template.render(
+        return str(self._compiled_template().render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.backend.id_to_token(self.bos_id) if self.bos_id is not None else "",
             eos_token=self.backend.id_to_token(self.eos_id) if self.eos_id is not None else "",
-        )
+        ))
+
+    def _compiled_template(self) -> Any:
+        """The chat template compiled once (3-4 ms a request for the default model's, when
+        every request compiled it again)."""
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TokenizerError(f"chat template error: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template
+
+    def warm(self) -> None:
+        """Build now what the first request would build (the plain-text backend, 0.1-0.2 s; the
+        compiled chat template): a server calls it before it serves."""
+        _ = self._plain_backend
+        if self.chat_template is not None:
+            self._compiled_template()
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,

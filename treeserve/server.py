@@ -74,9 +74,11 @@ def prepare_model(config: ServerConfig, progress: Callable[[Any], None] | None =
         folder = converted_dir_for(path, config.cache_dir)
         if not (folder / CONFIG_FILE).exists():
             convert_gguf(path, folder, progress=progress)
-        return Tokenizer.from_folder(folder)
+        path = folder
     if path.is_dir():
-        return Tokenizer.from_folder(path)
+        tokenizer = Tokenizer.from_folder(path)
+        tokenizer.warm()  # the first request must not build what it needs
+        return tokenizer
     raise FileNotFoundError(f"model {config.model!r} is neither a known model name, a .gguf file nor a folder")
 
 
