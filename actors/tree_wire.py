@@ -47,6 +47,7 @@ SPARSE_MAX_NONZEROS = 4096
 
 _INT_FIELDS = ("parents", "tokens", "proposal_children", "proposal_speculators", "proposal_q_rows")
 _TREE_FIELDS = frozenset((*_INT_FIELDS, "draft_probs"))
+_PROPOSAL_FIELDS = ("proposal_children", "proposal_speculators", "proposal_q_rows")
 _PARAM_FIELDS = frozenset(("temperature", "top_k", "top_p", "seed", "stop_token_ids", "max_new_tokens"))
 _MAX_NODES = 1 << 16
 _MAX_PROB_ELEMENTS = 1 << 28
@@ -102,6 +103,9 @@ def tree_from_wire(wire: Any) -> TokenTree:
     missing = _TREE_FIELDS - set(wire) - {"draft_probs"}
     if missing:
         raise ValueError(f"token tree is missing fields {sorted(missing)}")
+    root = _root_only_token(wire)
+    if root is not None:
+        return TokenTree.root_only(root)
     ints = {name: _int_vector(wire[name], name) for name in _INT_FIELDS}
     probs = _draft_probs(wire.get("draft_probs"))
     try:
@@ -246,6 +250,20 @@ def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value
+
+
+def _root_only_token(wire: Mapping[str, Any]) -> int | None:
+    """The token of a one-node tree sent as lists (a plain decode step's: parents ``[-1]``, one
+    int token, no proposals, no probabilities), or None for any other wire tree, which the full
+    parse checks."""
+    parents, tokens = wire["parents"], wire["tokens"]
+    if not (isinstance(parents, list) and isinstance(tokens, list) and len(parents) == len(tokens) == 1):
+        return None
+    if type(parents[0]) is not int or parents[0] != -1 or type(tokens[0]) is not int:
+        return None
+    if wire.get("draft_probs") is not None or any(not isinstance(wire[name], list) or wire[name] for name in _PROPOSAL_FIELDS):
+        return None
+    return int(tokens[0])
 
 
 def _int_vector(value: Any, name: str) -> Tensor:

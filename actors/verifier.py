@@ -317,8 +317,8 @@ class VerifierShard(Actor):
                     continue
                 tokens[step.row].append(result.bonus_token)
                 if index + 1 < num_steps and not step.params.is_stop(result.bonus_token):
-                    following.append(RowStep(step.row, TokenTree.from_parents([-1], [result.bonus_token]),
-                                             step.params, step.generator))
+                    following.append(RowStep(step.row, TokenTree.root_only(result.bonus_token), step.params,
+                                             step.generator))
             if not following:
                 break
             active = following
@@ -363,7 +363,7 @@ def _warm_up(model: Transformer, cache: KVCache) -> None:
         prefill_rows(model, cache, [(0, prompt[:-1])])
         root = prompt[-1]
         for _ in range(2):
-            (result,) = verify_rows(model, cache, [RowStep(0, TokenTree.from_parents([-1], [root]), SamplingParams())])
+            (result,) = verify_rows(model, cache, [RowStep(0, TokenTree.root_only(root), SamplingParams())])
             root = result.bonus_token
     finally:
         _zero_row(cache, 0)

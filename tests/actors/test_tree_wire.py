@@ -103,6 +103,28 @@ def test_malformed_tree_raises_value_error(mutate, message: str) -> None:  # typ
         tree_from_wire([1, 2, 3])
 
 
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda w: w.update(parents=[-1.0]), "integers"),
+        (lambda w: w.update(tokens=[True]), "integers"),
+        (lambda w: w.update(parents=[0]), "only root"),
+        (lambda w: w.update(proposal_children=[1]), "equal shapes"),
+        (lambda w: w.pop("proposal_q_rows"), "missing"),
+    ],
+)
+def test_a_one_node_tree_is_checked_like_any_other(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    """A plain decode step's one-node tree takes a short parse; anything off that shape goes to
+    the full one and is refused as before."""
+    tree = TokenTree.root_only(7)
+    assert_same_tree(TokenTree.from_parents([-1], [7]), tree)
+    wire = tree_to_wire(tree)
+    assert_same_tree(tree, tree_from_wire(wire))
+    mutate(wire)
+    with pytest.raises(ValueError, match=message):
+        tree_from_wire(wire)
+
+
 def test_params_round_trip_and_validation() -> None:
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=11, stop_token_ids=(2, 5), max_new_tokens=33)
     assert params_from_wire(params_to_wire(params)) == params
