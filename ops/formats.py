@@ -14,7 +14,7 @@ bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this 
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
 q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q4_amx``
                          (AVX512-BF16 for one row, AMX tiles from two; without
-                         AMX the AVX512-BF16 path at every shape), else
+                         AMX, int8 rows on AVX512-VNNI at every shape), else
                          ``_weight_int4pack_mm_for_cpu``
 =========== ============ ==================================================================
 
@@ -250,12 +250,14 @@ class Int4Linear(nn.Module):
             self.in_features, self.out_features = scales_and_zeros.shape[0] * Q4_GROUP, scales_and_zeros.shape[1]
         for name in ("amx_codes", "amx_scales_zeros", "packed", "scales_and_zeros"):
             self.register_buffer(name, buffers.get(name))
+        # A constant of this machine, read once: the compiled step traces it as one.
+        self.int8_rows = self.amx_codes is not None and q4_amx.int8_rows()
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if self.amx_codes is not None and self.amx_scales_zeros is not None:
-            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.out_features)
+            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.out_features, int8_rows=self.int8_rows)
         else:
             out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
         out = out.reshape(*shape[:-1], self.out_features)

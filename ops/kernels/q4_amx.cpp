@@ -23,7 +23,8 @@
 //
 // The op treeserve_q4::mm (registered below) is what the q4_1 format calls at every shape: under
 // min_rows rows the vector path, from min_rows rows on the tiles (where this process has none,
-// the vector path at every row count). Both prefetch the codes a few
+// the vector path at every row count); with int8_rows, the int8-row path (below) at every row
+// count, which the format asks for where there are no tiles. Both prefetch the codes a few
 // groups ahead (without it a one-row step read them 1.2x slower, measured).
 
 #include <ATen/Parallel.h>
@@ -231,8 +232,109 @@ void vector_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8
   free(xs);
 }
 
+// ---------------------------------------------------------------------------------------------
+// int8 rows (AVX512-VNNI), for CPUs without AMX tiles, at every row count. Each row is quantized
+// per group of 32 as llama.cpp's Q8_0 blocks are: d = max |x| / 127, xq = round(x / d) in int8.
+// vpdpbusd multiplies the 4-bit codes (u8) by xq (s8) four k at a time, exactly in int32, so
+//   sum_{k in g} x (q - 8)  ~  d * (sum xq q - 8 sum xq),
+// scaled by the group's scale in fp32; the zero term takes the exact fp32 sum of the bf16 row.
+// The weights are the same values as on the other paths; the rows are rounded to 8 bits a
+// group (the precision llama.cpp computes these products in), which is what makes the products
+// 4.6x cheaper than vdpbf16ps's on a CPU without tiles (64 products in 0.46 ns against 32 in
+// 1.05 ns a core, measured).
+//
+// The packing serves as it is: a tile row pair p holds, per column c, the bytes of k = 4p, 4p+1
+// (low nibbles) and 4p+2, 4p+3 (high nibbles); widened to 32 bits a column, (v | v << 12) &
+// 0x0F0F0F0F puts the four codes in k order in the lane, matching four bytes of xq.
+
+// One row's groups: xq (K int8), and per group d, -8 d sum(xq) and the exact sum of x.
+void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8, float* xs) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const __m512 v0 = bf16x16_to_f32(x + g * 32), v1 = bf16x16_to_f32(x + g * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));  // nearest, ties to even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * 32), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+    d[g] = scale;
+    c8[g] = -8.0f * scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    xs[g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  }
+}
+
+// 64 codes of one tile row pair (32 bytes: 16 columns) -> the u8 operand of vpdpbusd.
+inline __m512i codes_u8(const uint8_t* src) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (a | b) & c
+}
+
+template <int R>
+void int8_blocks(const int8_t* xq, const float* d, const float* c8, const float* xs, int64_t K, int64_t N,
+                 const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t nb_begin, int64_t nb_end) {
+  const int64_t G = K / 32;
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    __m512 acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* src = codes + (nb * G + g) * kBlockBytes;
+      const uint16_t* s = sz + (nb * G + g) * 64;
+      prefetch_group(src, s);
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[8];
+        for (int p = 0; p < 8; ++p) w[p] = codes_u8(src + h * 256 + p * 32);
+        __m512i dot[R];
+        for (int m = 0; m < R; ++m) dot[m] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; ++p) {
+          for (int m = 0; m < R; ++m) {
+            int32_t four;
+            memcpy(&four, xq + m * K + g * 32 + 4 * p, sizeof(four));
+            dot[m] = _mm512_dpbusd_epi32(dot[m], w[p], _mm512_set1_epi32(four));
+          }
+        }
+        const __m512 scale = bf16x16_to_f32(s + h * 16), zero = bf16x16_to_f32(s + 32 + h * 16);
+        for (int m = 0; m < R; ++m) {
+          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(d[m * G + g]),
+                                           _mm512_set1_ps(c8[m * G + g]));
+          acc[m][h] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * G + g]), zero, _mm512_fmadd_ps(t, scale, acc[m][h]));
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m) {
+      uint16_t* out = y + m * N + nb * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
+    }
+  }
+}
+
+constexpr int kInt8Rows = 4;
+
+void int8_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const uint16_t* sz,
+               uint16_t* y) {
+  const int64_t G = K / 32, NB = N / 32;
+  int8_t* xq = static_cast<int8_t*>(aligned_alloc(64, ((M * K + 63) / 64) * 64));
+  float* f = static_cast<float*>(aligned_alloc(64, ((3 * M * G * 4 + 63) / 64) * 64));
+  float *d = f, *c8 = f + M * G, *xs = f + 2 * M * G;
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, d + m * G, c8 + m * G, xs + m * G);
+  over_blocks(NB, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kInt8Rows) {
+      const int64_t rows = M - m < kInt8Rows ? M - m : kInt8Rows;
+      const int8_t* xm = xq + m * K;
+      const float *dm = d + m * G, *cm = c8 + m * G, *sm = xs + m * G;
+      uint16_t* ym = y + m * N;
+      if (rows == 1) int8_blocks<1>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
+      else if (rows == 2) int8_blocks<2>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
+      else if (rows == 3) int8_blocks<3>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
+      else int8_blocks<4>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
+    }
+  });
+  free(xq);
+  free(f);
+}
+
 at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros, int64_t out_features,
-              int64_t min_rows) {
+              int64_t min_rows, bool int8_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "treeserve_q4::mm: x must be 2-D bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && codes.numel() * 2 == N * K && codes.is_contiguous() &&
@@ -244,7 +346,9 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (M < min_rows || !treeserve_amx::tiles_granted) {
+  if (int8_rows) {
+    int8_gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);
+  } else if (M < min_rows || !treeserve_amx::tiles_granted) {
     vector_gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);
   } else {
     gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);
@@ -255,7 +359,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
 }  // namespace
 
 TORCH_LIBRARY(treeserve_q4, m) {
-  m.def("mm(Tensor x, Tensor codes, Tensor scales_zeros, int out_features, int min_rows) -> Tensor");
+  m.def("mm(Tensor x, Tensor codes, Tensor scales_zeros, int out_features, int min_rows, bool int8_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treeserve_q4, CPU, m) { m.impl("mm", mm); }

@@ -10,6 +10,7 @@ import torch
 
 from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import q4_amx
+from treeserve.ops.kernels.cpp_build import cpu_flags
 
 pytestmark = pytest.mark.skipif(not q4_amx.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
 
@@ -30,9 +31,26 @@ def _layer(out_features: int, in_features: int, seed: int) -> tuple[Int4Linear, 
     return linear, weight, torch_int4
 
 
-def _run(linear: Int4Linear, x: torch.Tensor, min_rows: int) -> torch.Tensor:
+def _run(linear: Int4Linear, x: torch.Tensor, min_rows: int, int8_rows: bool = False) -> torch.Tensor:
     assert linear.amx_codes is not None and linear.amx_scales_zeros is not None
-    return q4_amx.mm(x, linear.amx_codes, linear.amx_scales_zeros, linear.out_features, min_rows)
+    return q4_amx.mm(x, linear.amx_codes, linear.amx_scales_zeros, linear.out_features, min_rows, int8_rows)
+
+
+needs_vnni = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the int8 rows need AVX512-VNNI")
+
+
+def _int8_reference(linear: Int4Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What the int8-row path computes, in float64: each row's groups of 32 quantized as the
+    kernel does in fp32 (``round(x * (127 / max |x|))``, ties to even, times ``d = max |x| / 127``)
+    for the codes' term; the exact rows for the zero's."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))  # one division, as
+    # the kernel's: 127 / amax with a Python scalar multiplies by a reciprocal, one more rounding
+    quantized = (torch.round(blocks * inverse).double() * (amax / 127).double()).reshape(x.shape)
+    zero = linear.amx_scales_zeros[:, :, 1].double()  # (N/32, G, 32): the zeros per group and column
+    zero = zero.permute(0, 2, 1).reshape(linear.out_features, -1).repeat_interleave(32, dim=1)  # (N, K)
+    return quantized @ (weight.double() - zero).t() + x.double() @ zero.t()
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (64, 160)])
@@ -73,13 +91,48 @@ def test_paths_and_torchs_kernel_agree_on_random_rows(rows: int) -> None:
     assert ((tiles - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
 
 
-def test_the_format_runs_the_tiles_from_min_rows_on() -> None:
+def test_the_format_runs_the_tiles_from_min_rows_on_or_int8_rows_throughout() -> None:
     linear, _, _ = _layer(64, 64, seed=5)
     assert linear.amx_codes is not None and linear.packed is None and q4_amx.MIN_ROWS > 1
+    assert linear.int8_rows == (not q4_amx.tiles() and "avx512_vnni" in cpu_flags())
     x = torch.randn(2, 5, 64).bfloat16()  # leading dims fold into rows
-    assert torch.equal(linear(x), _run(linear, x.reshape(10, 64), min_rows=1).reshape(2, 5, 64))
     one = torch.randn(1, 64).bfloat16()
-    assert torch.equal(linear(one), _run(linear, one, min_rows=10**9))
+    if linear.int8_rows:
+        assert torch.equal(linear(x), _run(linear, x.reshape(10, 64), 1, int8_rows=True).reshape(2, 5, 64))
+        assert torch.equal(linear(one), _run(linear, one, 1, int8_rows=True))
+    else:
+        assert torch.equal(linear(x), _run(linear, x.reshape(10, 64), min_rows=1).reshape(2, 5, 64))
+        assert torch.equal(linear(one), _run(linear, one, min_rows=10**9))
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", [(96, 64), (64, 160)])
+def test_int8_rows_compute_their_stated_formula(shape: tuple[int, int]) -> None:
+    """Random rows: the int8-row path is the float64 product of the quantized rows with the
+    codes' part of the weights plus the exact rows with the zeros, up to fp32 sums and the bf16
+    output rounding; the bf16-row paths are not (they do not round the rows), which the last
+    assertion shows."""
+    linear, weight, _ = _layer(*shape, seed=11)
+    x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(12)).bfloat16()
+    reference = _int8_reference(linear, weight, x)
+    bound = reference.abs() * 2**-8 + 1e-3  # bf16 output rounding, and fp32 sums
+    for rows in (1, 3, 4, 5, 16, 17, 40):
+        assert ((_run(linear, x[:rows], 1, int8_rows=True).double() - reference[:rows]).abs() <= bound[:rows]).all(), rows
+    unrounded = _run(linear, x, 10**9).double()
+    assert ((unrounded - reference).abs() > bound).float().mean() > 0.05
+
+
+@needs_vnni
+def test_int8_rows_give_each_row_the_same_bits_at_every_row_count() -> None:
+    """A row's result does not depend on the rows beside it (blocks of four rows and tails run
+    the same sums in the same order): one forward of a tree equals its rows one by one."""
+    linear, _, _ = _layer(128, 192, seed=13)
+    x = torch.randn(23, 192, generator=torch.Generator().manual_seed(14)).bfloat16()
+    together = _run(linear, x, 1, int8_rows=True)
+    for rows in (1, 2, 3, 5, 9):
+        assert torch.equal(_run(linear, x[:rows], 1, int8_rows=True), together[:rows]), rows
+    for row in range(23):
+        assert torch.equal(_run(linear, x[row:row + 1], 1, int8_rows=True)[0], together[row])
 
 
 def test_pack_refuses_shapes_off_the_tile_grid() -> None:
