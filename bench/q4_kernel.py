@@ -1,6 +1,7 @@
-"""The q4_1 format's kernel against torch's int4 kernel: the vector path (AVX512-BF16) and the
-tile path (AMX) of ``ops/kernels/q4_amx``, and ``torch._weight_int4pack_mm_for_cpu`` on its own
-packing of the same weights, per row count.
+"""The q4_1 format's kernel against torch's int4 kernel: the vector path (AVX512-BF16), the
+tile path (AMX) and the int8-row path (AVX512-VNNI, where the CPU has it) of
+``ops/kernels/q4_amx``, and ``torch._weight_int4pack_mm_for_cpu`` on its own packing of the same
+weights, per row count. Without AMX tiles the "tiles" column runs the vector path.
 
     python bench/q4_kernel.py [--threads 2] [--rounds 5] [--rows 1 2 4 ...] [--json]
 
@@ -23,6 +24,7 @@ from forward import median_seconds  # bench/ is on sys.path when this file runs 
 
 from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import q4_amx
+from treeserve.ops.kernels.cpp_build import cpu_flags
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30
@@ -49,8 +51,10 @@ def main() -> None:
             zero = blocks.minimum.float() + 8 * scale
             scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
             layers.append((linear, packed, scales_and_zeros))
+    has_vnni = "avx512_vnni" in cpu_flags()
     megabytes = sum(linear.num_weight_bytes for linear, _, _ in layers) / 1e6
-    result: dict[str, Any] = {"threads": args.threads, "weights_mb": round(megabytes, 1), "rows": {}}
+    result: dict[str, Any] = {"threads": args.threads, "weights_mb": round(megabytes, 1), "tiles": q4_amx.tiles(),
+                              "rows": {}}
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES.values()}
@@ -63,24 +67,35 @@ def main() -> None:
                 for linear, _, _ in layers:
                     q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros, linear.out_features, 1)
 
+            def int8() -> None:
+                for linear, _, _ in layers:
+                    q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros, linear.out_features, 1,
+                              True)
+
             def torch_int4() -> None:
                 for linear, packed, scales_and_zeros in layers:
                     torch._weight_int4pack_mm_for_cpu(inputs[linear.in_features], packed, 32, scales_and_zeros)
 
-            times: dict[str, list[float]] = {"vector": [], "tiles": [], "torch_int4": []}
+            kernels = [("vector", vector), ("tiles", tiles), ("torch_int4", torch_int4)]
+            if has_vnni:
+                kernels.append(("int8_rows", int8))
+            times: dict[str, list[float]] = {name: [] for name, _ in kernels}
             for _ in range(args.rounds):
-                for name, fn in (("vector", vector), ("tiles", tiles), ("torch_int4", torch_int4)):
+                for name, fn in kernels:
                     times[name].append(median_seconds(fn, 7) * 1e3)
             ms = {name: statistics.median(values) for name, values in times.items()}
             result["rows"][str(rows)] = {
                 **{f"{name}_ms": round(value, 2) for name, value in ms.items()},
                 "torch_over_vector": round(ms["torch_int4"] / ms["vector"], 2),
                 "vector_over_tiles": round(ms["vector"] / ms["tiles"], 2),
+                **({"vector_over_int8_rows": round(ms["vector"] / ms["int8_rows"], 2)} if has_vnni else {}),
             }
             if not args.json:
                 print(f"rows {rows:>3}: vector {ms['vector']:6.2f} ms  tiles {ms['tiles']:6.2f} ms  "
                       f"torch int4 {ms['torch_int4']:6.2f} ms  (torch/vector x{ms['torch_int4'] / ms['vector']:.2f}, "
-                      f"vector/tiles x{ms['vector'] / ms['tiles']:.2f})", flush=True)
+                      f"vector/tiles x{ms['vector'] / ms['tiles']:.2f})"
+                      + (f"  int8 rows {ms['int8_rows']:6.2f} ms (vector/int8 x{ms['vector'] / ms['int8_rows']:.2f})"
+                         if has_vnni else ""), flush=True)
     if args.json:
         print(json.dumps(result, indent=1))
 

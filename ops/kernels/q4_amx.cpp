@@ -38,6 +38,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "amx_tiles.h"
 
 namespace {
@@ -164,15 +166,12 @@ void gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* cod
   free(xs);
 }
 
-// R rows (R <= kMaxVectorRows) for output blocks [nb_begin, nb_end): the codes widened to bf16
-// (q - 8, by table) and multiplied in pairs with each row's bf16 (x[k], x[k + 1]) by vdpbf16ps,
-// whose lane c then sums column c's two weights: the tile layout serves this path as it is.
-template <int R>
-void vector_blocks(const uint16_t* x, const float* xs, int64_t K, int64_t N, const uint8_t* codes, const uint16_t* sz,
-                   uint16_t* y, int64_t nb_begin, int64_t nb_end) {
-  const int64_t G = K / 32;
-  const __m512i table = code_table();
-  const __m512i low_nibble = _mm512_set1_epi16(0xF);
+// Output blocks [nb_begin, nb_end) for R rows, each row's 32 sums held in fp32 registers over
+// the K / 32 groups: group(acc, src, s, g) adds group g's products (src its codes, s its scales
+// and zeros, both prefetched a few groups ahead); then the sums go to y as bf16.
+template <int R, class Group>
+inline void row_blocks(int64_t G, int64_t N, const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t nb_begin,
+                       int64_t nb_end, Group group) {
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     __m512 acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -180,30 +179,7 @@ void vector_blocks(const uint16_t* x, const float* xs, int64_t K, int64_t N, con
       const uint8_t* src = codes + (nb * G + g) * kBlockBytes;
       const uint16_t* s = sz + (nb * G + g) * 64;
       prefetch_group(src, s);
-      __m512 part[R][4];  // [tile h][even, odd tile rows]: four independent sums per row
-      for (int m = 0; m < R; ++m)
-        for (int a = 0; a < 4; ++a) part[m][a] = _mm512_setzero_ps();
-      for (int h = 0; h < 2; ++h) {
-        for (int p = 0; p < 8; ++p) {
-          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 256 + p * 32)));
-          const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibble), table);
-          const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
-          for (int m = 0; m < R; ++m) {
-            uint32_t x_even, x_odd;  // the bf16 pairs of tile rows 2p and 2p + 1: k = 4p, 4p + 1 and 4p + 2, 4p + 3
-            memcpy(&x_even, x + m * K + g * 32 + 4 * p, sizeof(x_even));
-            memcpy(&x_odd, x + m * K + g * 32 + 4 * p + 2, sizeof(x_odd));
-            part[m][2 * h] = _mm512_dpbf16_ps(part[m][2 * h], even, (__m512bh)_mm512_set1_epi32(x_even));
-            part[m][2 * h + 1] = _mm512_dpbf16_ps(part[m][2 * h + 1], odd, (__m512bh)_mm512_set1_epi32(x_odd));
-          }
-        }
-      }
-      const __m512 s0 = bf16x16_to_f32(s), s1 = bf16x16_to_f32(s + 16);
-      const __m512 z0 = bf16x16_to_f32(s + 32), z1 = bf16x16_to_f32(s + 48);
-      for (int m = 0; m < R; ++m) {
-        const __m512 sums = _mm512_set1_ps(xs[m * G + g]);
-        acc[m][0] = _mm512_fmadd_ps(sums, z0, _mm512_fmadd_ps(_mm512_add_ps(part[m][0], part[m][1]), s0, acc[m][0]));
-        acc[m][1] = _mm512_fmadd_ps(sums, z1, _mm512_fmadd_ps(_mm512_add_ps(part[m][2], part[m][3]), s1, acc[m][1]));
-      }
+      group(acc, src, s, g);
     }
     for (int m = 0; m < R; ++m) {
       uint16_t* out = y + m * N + nb * 32;
@@ -213,21 +189,67 @@ void vector_blocks(const uint16_t* x, const float* xs, int64_t K, int64_t N, con
   }
 }
 
+// body(std::integral_constant<int, R>, m) for each chunk of at most Max rows of M: the row
+// count as a template argument (1..Max), so each chunk's sums stay in registers.
+template <int Max, int R = Max, class Body>
+inline void over_row_chunks(int64_t M, Body body) {
+  if constexpr (R == Max) {
+    int64_t m = 0;
+    for (; m + Max <= M; m += Max) body(std::integral_constant<int, Max>{}, m);
+    if (m < M) over_row_chunks<Max, Max - 1>(M - m, [&](auto rows, int64_t offset) { body(rows, m + offset); });
+  } else if constexpr (R >= 1) {
+    if (M == R) body(std::integral_constant<int, R>{}, int64_t{0});
+    else over_row_chunks<Max, R - 1>(M, body);
+  }
+}
+
+// R rows (R <= kMaxVectorRows) for output blocks [nb_begin, nb_end): the codes widened to bf16
+// (q - 8, by table) and multiplied in pairs with each row's bf16 (x[k], x[k + 1]) by vdpbf16ps,
+// whose lane c then sums column c's two weights: the tile layout serves this path as it is.
+template <int R>
+void vector_blocks(const uint16_t* x, const float* xs, int64_t K, int64_t N, const uint8_t* codes, const uint16_t* sz,
+                   uint16_t* y, int64_t nb_begin, int64_t nb_end) {
+  const int64_t G = K / 32;
+  const __m512i table = code_table();
+  const __m512i low_nibble = _mm512_set1_epi16(0xF);
+  row_blocks<R>(G, N, codes, sz, y, nb_begin, nb_end, [&](__m512 (&acc)[R][2], const uint8_t* src, const uint16_t* s,
+                                                          int64_t g) {
+    __m512 part[R][4];  // [tile h][even, odd tile rows]: four independent sums per row
+    for (int m = 0; m < R; ++m)
+      for (int a = 0; a < 4; ++a) part[m][a] = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      for (int p = 0; p < 8; ++p) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 256 + p * 32)));
+        const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibble), table);
+        const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        for (int m = 0; m < R; ++m) {
+          uint32_t x_even, x_odd;  // the bf16 pairs of tile rows 2p and 2p + 1: k = 4p, 4p + 1 and 4p + 2, 4p + 3
+          memcpy(&x_even, x + m * K + g * 32 + 4 * p, sizeof(x_even));
+          memcpy(&x_odd, x + m * K + g * 32 + 4 * p + 2, sizeof(x_odd));
+          part[m][2 * h] = _mm512_dpbf16_ps(part[m][2 * h], even, (__m512bh)_mm512_set1_epi32(x_even));
+          part[m][2 * h + 1] = _mm512_dpbf16_ps(part[m][2 * h + 1], odd, (__m512bh)_mm512_set1_epi32(x_odd));
+        }
+      }
+    }
+    const __m512 s0 = bf16x16_to_f32(s), s1 = bf16x16_to_f32(s + 16);
+    const __m512 z0 = bf16x16_to_f32(s + 32), z1 = bf16x16_to_f32(s + 48);
+    for (int m = 0; m < R; ++m) {
+      const __m512 sums = _mm512_set1_ps(xs[m * G + g]);
+      acc[m][0] = _mm512_fmadd_ps(sums, z0, _mm512_fmadd_ps(_mm512_add_ps(part[m][0], part[m][1]), s0, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(sums, z1, _mm512_fmadd_ps(_mm512_add_ps(part[m][2], part[m][3]), s1, acc[m][1]));
+    }
+  });
+}
+
 void vector_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* codes, const uint16_t* sz,
                  uint16_t* y) {
   const int64_t G = K / 32, NB = N / 32;
   float* xs = static_cast<float*>(aligned_alloc(64, ((M * G * 4 + 63) / 64) * 64));
   group_sums(x, M, K, xs);
   over_blocks(NB, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m += kMaxVectorRows) {
-      const int64_t rows = M - m < kMaxVectorRows ? M - m : kMaxVectorRows;
-      const uint16_t* xm = x + m * K;
-      const float* xsm = xs + m * G;
-      uint16_t* ym = y + m * N;
-      if (rows == 1) vector_blocks<1>(xm, xsm, K, N, codes, sz, ym, begin, end);
-      else if (rows == 2) vector_blocks<2>(xm, xsm, K, N, codes, sz, ym, begin, end);
-      else vector_blocks<3>(xm, xsm, K, N, codes, sz, ym, begin, end);
-    }
+    over_row_chunks<kMaxVectorRows>(M, [&](auto rows, int64_t m) {
+      vector_blocks<decltype(rows)::value>(x + m * K, xs + m * G, K, N, codes, sz, y + m * N, begin, end);
+    });
   });
   free(xs);
 }
@@ -252,7 +274,10 @@ void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8,
   for (int64_t g = 0; g < K / 32; ++g) {
     const __m512 v0 = bf16x16_to_f32(x + g * 32), v1 = bf16x16_to_f32(x + g * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    // A group whose largest |x| is under 1e-30 counts as zero in the codes' term (127 / amax
+    // would overflow from 3.7e-37 down); NaN and inf rows stay non-finite through d.
+    const bool tiny = amax < 1e-30f;
+    const float scale = tiny ? 0.0f : amax / 127.0f, inverse = tiny ? 0.0f : 127.0f / amax;
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));  // nearest, ties to even
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * 32), _mm512_cvtsepi32_epi8(q0));
@@ -273,39 +298,28 @@ template <int R>
 void int8_blocks(const int8_t* xq, const float* d, const float* c8, const float* xs, int64_t K, int64_t N,
                  const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t nb_begin, int64_t nb_end) {
   const int64_t G = K / 32;
-  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-    __m512 acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* src = codes + (nb * G + g) * kBlockBytes;
-      const uint16_t* s = sz + (nb * G + g) * 64;
-      prefetch_group(src, s);
-      for (int h = 0; h < 2; ++h) {
-        __m512i w[8];
-        for (int p = 0; p < 8; ++p) w[p] = codes_u8(src + h * 256 + p * 32);
-        __m512i dot[R];
-        for (int m = 0; m < R; ++m) dot[m] = _mm512_setzero_si512();
-        for (int p = 0; p < 8; ++p) {
-          for (int m = 0; m < R; ++m) {
-            int32_t four;
-            memcpy(&four, xq + m * K + g * 32 + 4 * p, sizeof(four));
-            dot[m] = _mm512_dpbusd_epi32(dot[m], w[p], _mm512_set1_epi32(four));
-          }
-        }
-        const __m512 scale = bf16x16_to_f32(s + h * 16), zero = bf16x16_to_f32(s + 32 + h * 16);
+  row_blocks<R>(G, N, codes, sz, y, nb_begin, nb_end, [&](__m512 (&acc)[R][2], const uint8_t* src, const uint16_t* s,
+                                                          int64_t g) {
+    for (int h = 0; h < 2; ++h) {
+      __m512i w[8];
+      for (int p = 0; p < 8; ++p) w[p] = codes_u8(src + h * 256 + p * 32);
+      __m512i dot[R];
+      for (int m = 0; m < R; ++m) dot[m] = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) {
         for (int m = 0; m < R; ++m) {
-          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(d[m * G + g]),
-                                           _mm512_set1_ps(c8[m * G + g]));
-          acc[m][h] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * G + g]), zero, _mm512_fmadd_ps(t, scale, acc[m][h]));
+          int32_t four;
+          memcpy(&four, xq + m * K + g * 32 + 4 * p, sizeof(four));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], w[p], _mm512_set1_epi32(four));
         }
       }
+      const __m512 scale = bf16x16_to_f32(s + h * 16), zero = bf16x16_to_f32(s + 32 + h * 16);
+      for (int m = 0; m < R; ++m) {
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(d[m * G + g]),
+                                         _mm512_set1_ps(c8[m * G + g]));
+        acc[m][h] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * G + g]), zero, _mm512_fmadd_ps(t, scale, acc[m][h]));
+      }
     }
-    for (int m = 0; m < R; ++m) {
-      uint16_t* out = y + m * N + nb * 32;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
-    }
-  }
+  });
 }
 
 constexpr int kInt8Rows = 4;
@@ -318,16 +332,10 @@ void int8_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t
   float *d = f, *c8 = f + M * G, *xs = f + 2 * M * G;
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, d + m * G, c8 + m * G, xs + m * G);
   over_blocks(NB, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m += kInt8Rows) {
-      const int64_t rows = M - m < kInt8Rows ? M - m : kInt8Rows;
-      const int8_t* xm = xq + m * K;
-      const float *dm = d + m * G, *cm = c8 + m * G, *sm = xs + m * G;
-      uint16_t* ym = y + m * N;
-      if (rows == 1) int8_blocks<1>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
-      else if (rows == 2) int8_blocks<2>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
-      else if (rows == 3) int8_blocks<3>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
-      else int8_blocks<4>(xm, dm, cm, sm, K, N, codes, sz, ym, begin, end);
-    }
+    over_row_chunks<kInt8Rows>(M, [&](auto rows, int64_t m) {
+      int8_blocks<decltype(rows)::value>(xq + m * K, d + m * G, c8 + m * G, xs + m * G, K, N, codes, sz, y + m * N,
+                                         begin, end);
+    });
   });
   free(xq);
   free(f);

@@ -139,3 +139,18 @@ def test_pack_refuses_shapes_off_the_tile_grid() -> None:
     with pytest.raises(ValueError, match="multiples of 32"):
         q4_amx.pack(torch.zeros(48, 64, dtype=torch.uint8), torch.zeros(48, 2), torch.zeros(48, 2))
     assert not q4_amx.supports(48, 64) and q4_amx.supports(64, 96)
+
+
+@needs_vnni
+def test_int8_rows_keep_a_non_finite_row_non_finite() -> None:
+    """A NaN or inf activation makes its row's outputs non-finite (the verifier's row check
+    relies on it; max_ps may drop a NaN from the group's max, the exact row sum keeps it) and
+    leaves the other rows alone."""
+    linear, _, _ = _layer(64, 96, seed=15)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(16)).bfloat16()
+    x[1, 40] = float("nan")
+    x[2, 7] = float("inf")
+    x[3, 3] = float("-inf")
+    out = _run(linear, x, 1, int8_rows=True).float()
+    assert not torch.isfinite(out[1:]).any()
+    assert torch.equal(out[0], _run(linear, x[:1], 1, int8_rows=True)[0].float())
