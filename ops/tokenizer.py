@@ -269,10 +269,14 @@ class Tokenizer:
 
     def warm(self) -> None:
         """Build now what the first request would build (the plain-text backend, 0.1-0.2 s; the
-        compiled chat template): a server calls it before it serves."""
+        compiled chat template): a server calls it before it serves. A template that does not
+        compile is left to fail the chat requests that use it, as it did, not the start."""
         _ = self._plain_backend
         if self.chat_template is not None:
-            self._compiled_template()
+            try:
+                self._compiled_template()
+            except Exception:  # noqa: BLE001 - jinja2's TemplateSyntaxError and kin; each chat request reports it
+                self._template = None
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,

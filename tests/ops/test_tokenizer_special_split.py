@@ -4,6 +4,8 @@ markup stays special; text without such strings tokenizes exactly as before."""
 
 from __future__ import annotations
 
+import pytest
+
 from treeserve.ops.tokenizer import Tokenizer
 from treeserve.testing.gateway_fakes import tiny_bpe_tokenizer
 
@@ -57,3 +59,21 @@ def test_chat_roles_are_the_base_roles_plus_those_the_template_compares_with() -
     template = "{% for m in messages %}{% if m['role'] in ['tool', 'developer'] %}{% endif %}{% endfor %}"
     assert Tokenizer(tok.backend, bos_id=None, eos_id=IM_END, chat_template=template).chat_roles == frozenset(
         {"system", "user", "assistant", "tool", "developer"})
+
+
+def test_warm_builds_once_and_a_broken_template_fails_its_requests_not_the_start() -> None:
+    """``warm`` (a server's start) builds the plain-text backend and compiles the template, which
+    later requests reuse; a template that does not compile does not stop ``warm``, and each chat
+    request still reports it."""
+    tok = tiny_bpe_tokenizer()
+    tok.warm()
+    compiled, plain = tok._template, tok._plain
+    assert compiled is not None and plain is not None
+    messages = [{"role": "user", "content": "hi"}]
+    first = tok.apply_chat_template(messages)
+    assert tok.apply_chat_template(messages) == first and tok._template is compiled
+    broken = Tokenizer(tok.backend, bos_id=None, eos_id=IM_END, chat_template="{% if %}")
+    broken.warm()
+    for _ in range(2):
+        with pytest.raises(Exception, match="Expected an expression"):
+            broken.apply_chat_template(messages)
