@@ -27,7 +27,9 @@ representation by shape, so a server's speculative output equals its own increme
 decoding up to float summation order. The exact equality tests run in float32. q4_1's and the
 Q8_0 head's kernels each have two paths, picked by row count inside one op; both read the same
 codes and scales and neither rounds a weight (``kernels/q4_amx.py`` and ``kernels/q8_amx.py``
-say how), and tests compare them.
+say how), and tests compare them. Where a CPU has no AMX tiles, q4_1 instead rounds each
+group of 32 activations to int8 at every row count (one path for every shape there, and a
+row's result the same bits at every row count).
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and
