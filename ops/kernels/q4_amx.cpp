@@ -269,8 +269,9 @@ void vector_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8
 // (low nibbles) and 4p+2, 4p+3 (high nibbles); widened to 32 bits a column, (v | v << 12) &
 // 0x0F0F0F0F puts the four codes in k order in the lane, matching four bytes of xq.
 
-// One row's groups: xq (K int8), and per group d, -8 d sum(xq) and the exact sum of x.
-void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8, float* xs) {
+// One row's groups: xq (K int8), and per group d and -8 d sum(xq) (the zero term's exact sums
+// of x come from group_sums).
+void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8) {
   for (int64_t g = 0; g < K / 32; ++g) {
     const __m512 v0 = bf16x16_to_f32(x + g * 32), v1 = bf16x16_to_f32(x + g * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -284,7 +285,6 @@ void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
     d[g] = scale;
     c8[g] = -8.0f * scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    xs[g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
   }
 }
 
@@ -330,7 +330,8 @@ void int8_gemm(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t
   int8_t* xq = static_cast<int8_t*>(aligned_alloc(64, ((M * K + 63) / 64) * 64));
   float* f = static_cast<float*>(aligned_alloc(64, ((3 * M * G * 4 + 63) / 64) * 64));
   float *d = f, *c8 = f + M * G, *xs = f + 2 * M * G;
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, d + m * G, c8 + m * G, xs + m * G);
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, d + m * G, c8 + m * G);
+  group_sums(x, M, K, xs);
   over_blocks(NB, [&](int64_t begin, int64_t end) {
     over_row_chunks<kInt8Rows>(M, [&](auto rows, int64_t m) {
       int8_blocks<decltype(rows)::value>(xq + m * K, d + m * G, c8 + m * G, xs + m * G, K, N, codes, sz, y + m * N,
