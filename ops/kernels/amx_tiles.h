@@ -46,25 +46,29 @@ inline void configure_tiles() {
 }
 
 // What a kernel's init reports (a bit mask): its vector paths may run (the CPU has AVX-512BW,
-// and AVX512-BF16 where the kernel asks for it), and its tile paths may run too (AMX-BF16 tiles,
-// which Linux granted this process with arch_prctl).
+// and AVX512-BF16 where the kernel asks for it), its tile paths may run too (AMX-BF16 tiles,
+// which Linux granted this process with arch_prctl), and the CPU has AVX512-VNNI.
 constexpr int kVectors = 1;
 constexpr int kTiles = 2;
+constexpr int kVnni = 4;  // AVX512-VNNI: the int8-row path of q4_amx may run
 
 // Whether this process may run tile instructions, set once by init(); every tile path checks
 // it, so a kernel loaded on a CPU (or a VM) without AMX runs its vector paths at every shape.
 inline bool tiles_granted = false;
+inline bool has_vnni = false;  // likewise for the paths that need AVX512-VNNI
 
 inline int init(bool needs_avx512_bf16) {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
   const bool avx512bw = (b >> 30) & 1, amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  const bool avx512_vnni = (c >> 11) & 1;
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
   const bool avx512_bf16 = (a >> 5) & 1;
   if (!avx512bw || (needs_avx512_bf16 && !avx512_bf16)) return 0;
   tiles_granted = amx_bf16 && amx_tile && avx512_bf16 &&
                   syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return kVectors | (tiles_granted ? kTiles : 0);
+  has_vnni = avx512_vnni;
+  return kVectors | (tiles_granted ? kTiles : 0) | (has_vnni ? kVnni : 0);
 }
 
 // 16 bf16 values -> 16 fp32 (exact).

@@ -94,8 +94,9 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
 
 VECTORS = 1
 TILES = 2
+VNNI = 4
 """The bits of what an AMX kernel's init reports (``treeserve_amx::init`` in ``amx_tiles.h``):
-its vector paths may run; its AMX tile paths may run too."""
+its vector paths may run; its AMX tile paths may run too; the CPU has AVX512-VNNI."""
 
 
 _amx_lock = threading.Lock()

@@ -103,7 +103,7 @@ extern "C" {
 
 // treeserve_amx::init's mask: 0 when this CPU lacks AVX512-BF16 (the caller must not call the
 // op); kVectors alone where it has no AMX tiles for this process (the op then runs the vector
-// path at every row count); kVectors | kTiles where both run.
+// path at every row count); kVectors | kTiles where both run; kVnni where the int8-row path may.
 int ts_q4_amx_init(void) { return treeserve_amx::init(true); }
 
 }  // extern "C"
@@ -356,6 +356,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const auto* sp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   if (int8_rows) {
+    TORCH_CHECK(treeserve_amx::has_vnni, "treeserve_q4::mm: int8 rows need AVX512-VNNI, which this CPU lacks");
     int8_gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);
   } else if (M < min_rows || !treeserve_amx::tiles_granted) {
     vector_gemm(xp, M, K, N, codes.data_ptr<uint8_t>(), sp, yp);

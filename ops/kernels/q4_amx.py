@@ -83,7 +83,8 @@ def int8_rows() -> bool:
     """True when the q4_1 format multiplies by int8 rows here (:func:`mm`'s ``int8_rows``): the
     kernel runs, this process has no AMX tiles, and the CPU has AVX512-VNNI. Where tiles run,
     the format keeps bf16 rows (the vector path for one row, tiles from :data:`MIN_ROWS`)."""
-    return available() and not tiles() and "avx512_vnni" in cpp_build.cpu_flags()
+    mask = _loaded()
+    return bool(mask & cpp_build.VECTORS and mask & cpp_build.VNNI and not mask & cpp_build.TILES)
 
 
 def supports(out_features: int, in_features: int) -> bool:
