@@ -1,7 +1,8 @@
 """The q4_1 format's kernel against torch's int4 kernel: the vector path (AVX512-BF16), the
 tile path (AMX) and the int8-row path (AVX512-VNNI, where the CPU has it) of
 ``ops/kernels/q4_amx``, and ``torch._weight_int4pack_mm_for_cpu`` on its own packing of the same
-weights, per row count. Without AMX tiles the "tiles" column runs the vector path.
+weights, per row count. Without AMX tiles the "tiles" column runs the vector path; on a CPU
+without AVX-512 the AVX2 kernel (``q_avx2.cpp``, int8 rows) is the one column of ours.
 
     python bench/q4_kernel.py [--threads 2] [--rounds 5] [--rows 1 2 4 ...] [--json]
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not q4_amx.available():
-        raise SystemExit("the q4_amx kernel is not available on this machine (no AMX-BF16, or no C++ compiler)")
+        raise SystemExit("the q4_1 kernels do not run on this machine (no AVX-512 or AVX2, or no C++ compiler)")
+    avx2 = q4_amx.avx2()
     layers = []
     for _ in range(LAYERS):
         for n, k in SHAPES.values():
@@ -53,49 +56,43 @@ def main() -> None:
             layers.append((linear, packed, scales_and_zeros))
     has_vnni = "avx512_vnni" in cpu_flags()
     megabytes = sum(linear.num_weight_bytes for linear, _, _ in layers) / 1e6
-    result: dict[str, Any] = {"threads": args.threads, "weights_mb": round(megabytes, 1), "tiles": q4_amx.tiles(),
+    result: dict[str, Any] = {"threads": args.threads, "weights_mb": round(megabytes, 1), "tiles": q4_amx.tiles(), "avx2": avx2,
                               "rows": {}}
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES.values()}
 
-            def vector() -> None:
-                for linear, _, _ in layers:
-                    q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros, linear.out_features, 10**9)
-
-            def tiles() -> None:
-                for linear, _, _ in layers:
-                    q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros, linear.out_features, 1)
-
-            def int8() -> None:
-                for linear, _, _ in layers:
-                    q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros, linear.out_features, 1,
-                              True)
+            def ours(min_rows: int, int8_rows: bool = False, avx2: bool = False) -> Callable[[], None]:
+                def run() -> None:
+                    for linear, _, _ in layers:
+                        q4_amx.mm(inputs[linear.in_features], linear.amx_codes, linear.amx_scales_zeros,
+                                  linear.out_features, min_rows, int8_rows, avx2)
+                return run
 
             def torch_int4() -> None:
                 for linear, packed, scales_and_zeros in layers:
                     torch._weight_int4pack_mm_for_cpu(inputs[linear.in_features], packed, 32, scales_and_zeros)
 
-            kernels = [("vector", vector), ("tiles", tiles), ("torch_int4", torch_int4)]
-            if has_vnni:
-                kernels.append(("int8_rows", int8))
+            kernels: list[tuple[str, Callable[[], None]]] = [("torch_int4", torch_int4)]
+            if avx2:
+                kernels.append(("avx2_int8_rows", ours(1, avx2=True)))
+            else:
+                kernels += [("vector", ours(10**9)), ("tiles", ours(1))]
+                if has_vnni:
+                    kernels.append(("int8_rows", ours(1, int8_rows=True)))
             times: dict[str, list[float]] = {name: [] for name, _ in kernels}
             for _ in range(args.rounds):
                 for name, fn in kernels:
                     times[name].append(median_seconds(fn, 7) * 1e3)
             ms = {name: statistics.median(values) for name, values in times.items()}
-            result["rows"][str(rows)] = {
-                **{f"{name}_ms": round(value, 2) for name, value in ms.items()},
-                "torch_over_vector": round(ms["torch_int4"] / ms["vector"], 2),
-                "vector_over_tiles": round(ms["vector"] / ms["tiles"], 2),
-                **({"vector_over_int8_rows": round(ms["vector"] / ms["int8_rows"], 2)} if has_vnni else {}),
-            }
+            entry = {f"{name}_ms": round(value, 2) for name, value in ms.items()}
+            entry.update({f"torch_over_{name}": round(ms["torch_int4"] / value, 2)
+                          for name, value in ms.items() if name != "torch_int4"})
+            result["rows"][str(rows)] = entry
             if not args.json:
-                print(f"rows {rows:>3}: vector {ms['vector']:6.2f} ms  tiles {ms['tiles']:6.2f} ms  "
-                      f"torch int4 {ms['torch_int4']:6.2f} ms  (torch/vector x{ms['torch_int4'] / ms['vector']:.2f}, "
-                      f"vector/tiles x{ms['vector'] / ms['tiles']:.2f})"
-                      + (f"  int8 rows {ms['int8_rows']:6.2f} ms (vector/int8 x{ms['vector'] / ms['int8_rows']:.2f})"
-                         if has_vnni else ""), flush=True)
+                print(f"rows {rows:>3}: " + "  ".join(f"{name} {value:6.2f} ms" for name, value in ms.items()) + "  ("
+                      + ", ".join(f"torch/{name} x{ms['torch_int4'] / value:.2f}" for name, value in ms.items()
+                                  if name != "torch_int4") + ")", flush=True)
     if args.json:
         print(json.dumps(result, indent=1))
 

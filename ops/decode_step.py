@@ -258,15 +258,16 @@ def artifact_name(model: Transformer) -> str:
     import platform
 
     from treeserve.ops import formats, model as model_module
-    from treeserve.ops.kernels import q4_amx
+    from treeserve.ops.kernels import avx2, q4_amx, q8_amx
 
-    modules = (model_module, formats, q4_amx, tree_attention_cpu)
-    files = [Path(m.__file__) for m in modules if m.__file__] + [Path(__file__), q4_amx.SOURCE, tree_attention_cpu.SOURCE]
+    modules = (model_module, formats, q4_amx, q8_amx, avx2, tree_attention_cpu)
+    files = [Path(m.__file__) for m in modules if m.__file__] + [
+        Path(__file__), q4_amx.SOURCE, q8_amx.SOURCE, avx2.SOURCE, tree_attention_cpu.SOURCE]
     sources = b"".join(path.read_bytes() for path in files)
     key = "|".join([
         repr(sorted(model.config.__dict__.items())), str(model.weight_format), str(model.dtype), str(model.device),
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-        hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows()) if model.weight_format == 'q4_1' else None}",
+        hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows(), q4_amx.avx2()) if model.weight_format == 'q4_1' else None}",
         f"tree_attention_cpu={tree_attention_cpu.available()}",
     ])
     return f"decode-{model.weight_format}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

@@ -10,16 +10,18 @@ names), and swaps every linear, the LM head included, for the format's kernel.
 format      activations  weights and kernel (CPU)
 =========== ============ ==================================================================
 float32     float32      float32, ``F.linear`` (the exact reference of every test)
-bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU)
+bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU;
+                         ``F.linear`` where oneDNN has no bf16, :func:`onednn_bf16`)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
 q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q4_amx``
                          (AVX512-BF16 for one row, AMX tiles from two; without
-                         AMX, int8 rows on AVX512-VNNI at every shape), else
+                         AMX, int8 rows on AVX512-VNNI at every shape; without
+                         AVX-512, int8 rows on AVX2, ``kernels/q_avx2.cpp``), else
                          ``_weight_int4pack_mm_for_cpu``
 =========== ============ ==================================================================
 
 The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logits) on
-``kernels/q8_amx`` where that kernel runs, else bfloat16 on oneDNN.
+``kernels/q8_amx`` where that kernel (or, without AVX-512, its AVX2 twin) runs, else bfloat16.
 
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
@@ -159,6 +161,12 @@ def _onednn_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None, out_fea
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def onednn_bf16() -> bool:
+    """True when oneDNN multiplies bf16 on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): it
+    refuses to reorder a bf16 weight elsewhere (an AVX2-only CPU, AMD's Zen 3 among them)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class OneDnnLinear(nn.Module):
     """bfloat16 linear on a weight reordered once for oneDNN (``mkldnn._linear_pointwise``).
 
@@ -254,12 +262,14 @@ class Int4Linear(nn.Module):
             self.register_buffer(name, buffers.get(name))
         # A constant of this machine, read once: the compiled step traces it as one.
         self.int8_rows = self.amx_codes is not None and q4_amx.int8_rows()
+        self.avx2 = self.amx_codes is not None and q4_amx.avx2()
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if self.amx_codes is not None and self.amx_scales_zeros is not None:
-            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.out_features, int8_rows=self.int8_rows)
+            out = q4_amx.mm(rows, self.amx_codes, self.amx_scales_zeros, self.out_features, int8_rows=self.int8_rows,
+                            avx2=self.avx2)
         else:
             out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_GROUP, self.scales_and_zeros)
         out = out.reshape(*shape[:-1], self.out_features)
@@ -320,10 +330,11 @@ class Q8Linear(nn.Module):
         self.in_features = buffers["codes"].numel() // out_features
         self.register_buffer("codes", _own_aligned(buffers["codes"]))
         self.register_buffer("scales", _own_aligned(buffers["scales"]))
+        self.avx2 = q8_amx.avx2()  # a constant of this machine, traced as one
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features)
+        out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features, avx2=self.avx2)
         return out.reshape(*shape[:-1], self.out_features)
 
     @property
@@ -373,7 +384,7 @@ def make_linear(
     if fmt is WeightFormat.FLOAT32:
         return DenseLinear(weight.float(), None if bias is None else bias.float())
     if fmt is WeightFormat.BFLOAT16:
-        if not torch.backends.mkldnn.is_available():
+        if not onednn_bf16():
             return DenseLinear(weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
         return OneDnnLinear(weight, bias)
     if fmt is WeightFormat.INT8:

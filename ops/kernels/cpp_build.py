@@ -104,7 +104,7 @@ _amx_loaded: dict[Path, int] = {}
 
 
 def load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
-                 needs: frozenset[str], fallback: str) -> int:
+                 needs: frozenset[str], fallback: str, *, tiles: bool = True) -> int:
     """Build and load an AMX kernel once per process (one ``.cpp`` with an ``int
     init_symbol(void)`` that checks the CPU and asks the OS for the tile state, see
     ``amx_tiles.h``), and register its ops' shape functions (``fakes``: op name -> function).
@@ -113,15 +113,16 @@ def load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: di
     offer ``needs``, as ``/proc/cpuinfo`` spells them), with :data:`TILES` where this process
     may also run AMX tiles (without them the op runs its vector paths at every shape); 0,
     logged with ``fallback`` (what runs instead), where this CPU, compiler or OS cannot run it.
-    Later calls return the first call's answer."""
+    ``tiles=False``: a kernel without tile paths (nothing is logged about tiles). Later calls
+    return the first call's answer."""
     with _amx_lock:
         if source not in _amx_loaded:
-            _amx_loaded[source] = _load_amx_ops(source, flags, init_symbol, fakes, needs, fallback)
+            _amx_loaded[source] = _load_amx_ops(source, flags, init_symbol, fakes, needs, fallback, tiles)
         return _amx_loaded[source]
 
 
 def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: dict[str, Callable[..., object]],
-                  needs: frozenset[str], fallback: str) -> int:
+                  needs: frozenset[str], fallback: str, tiles: bool) -> int:
     name = source.stem
     missing = needs - cpu_flags()
     if missing:
@@ -141,7 +142,7 @@ def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: d
     if not mask & VECTORS:
         log.info("%s: the kernel's CPU check failed; %s", name, fallback)
         return 0
-    if not mask & TILES:
+    if tiles and not mask & TILES:
         log.info("%s: no AMX tiles for this process (CPU, VM or OS); its vector path runs at every shape", name)
     torch.ops.load_library(str(path))  # registers the ops
     for op, shape in fakes.items():

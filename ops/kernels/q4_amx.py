@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from treeserve.ops.kernels import avx2 as avx2_kernel
 from treeserve.ops.kernels import cpp_build
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,19 @@ def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int,
 
 def _loaded() -> int:
     return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q4_amx_init", {"treeserve_q4::mm": _mm_shape},
-                                  CPU_NEEDS, "q4_1 runs torch's int4 kernel")
+                                  CPU_NEEDS, "q4_1 runs the AVX2 kernel (q_avx2.cpp) where the CPU has AVX2, else torch's int4 kernel")
 
 
 def available() -> bool:
-    """True when the kernel is built and loaded and runs on this CPU (AVX512-BF16), whether or
-    not it may use AMX tiles (:func:`tiles`)."""
-    return bool(_loaded() & cpp_build.VECTORS)
+    """True when this packing's kernel runs here: this one (AVX512-BF16, whether or not it may
+    use AMX tiles, :func:`tiles`), or on a CPU without AVX-512 its AVX2 twin (:func:`avx2`)."""
+    return bool(_loaded() & cpp_build.VECTORS) or avx2_kernel.loaded()
+
+
+def avx2() -> bool:
+    """True when :func:`mm` runs the AVX2 kernel (``q_avx2.cpp``, int8 rows at every row count):
+    this one cannot run here, that one can."""
+    return not _loaded() & cpp_build.VECTORS and avx2_kernel.loaded()
 
 
 def tiles() -> bool:
@@ -82,9 +89,10 @@ def tiles() -> bool:
 def int8_rows() -> bool:
     """True when the q4_1 format multiplies by int8 rows here (:func:`mm`'s ``int8_rows``): the
     kernel runs, this process has no AMX tiles, and the CPU has AVX512-VNNI. Where tiles run,
-    the format keeps bf16 rows (the vector path for one row, tiles from :data:`MIN_ROWS`)."""
+    the format keeps bf16 rows (the vector path for one row, tiles from :data:`MIN_ROWS`). The
+    AVX2 kernel (:func:`avx2`) always multiplies by int8 rows."""
     mask = _loaded()
-    return bool(mask & cpp_build.VECTORS and mask & cpp_build.VNNI and not mask & cpp_build.TILES)
+    return bool(mask & cpp_build.VECTORS and mask & cpp_build.VNNI and not mask & cpp_build.TILES) or avx2()
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -115,13 +123,17 @@ def pack(codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def mm(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int, min_rows: int = MIN_ROWS,
-       int8_rows: bool = False) -> Tensor:
+       int8_rows: bool = False, avx2: bool = False) -> Tensor:
     """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: bf16 ``(M, N)``, on :func:`pack`'s buffers
     (the vector path under ``min_rows`` rows, the tiles from there on; with ``int8_rows``, the
     rows quantized to int8 per group of 32 and AVX512-VNNI products at every row count, see
-    ``q4_amx.cpp``, which only a CPU with AVX512-VNNI may ask for).
+    ``q4_amx.cpp``, which only a CPU with AVX512-VNNI may ask for). ``avx2``: the AVX2 kernel
+    instead (int8 rows; pass :func:`avx2`'s answer, a constant of the machine).
 
     Call only once :func:`available` has returned True (it loads the op).
     """
+    if avx2:
+        out: Tensor = torch.ops.treeserve_avx2.q4_mm(x, codes, scales_zeros, out_features)
+        return out
     result: Tensor = torch.ops.treeserve_q4.mm(x, codes, scales_zeros, out_features, min_rows, int8_rows)
     return result

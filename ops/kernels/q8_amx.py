@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from treeserve.ops.kernels import avx2 as avx2_kernel
 from treeserve.ops.kernels import cpp_build
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,19 @@ def _mm_shape(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_r
 
 def _loaded() -> int:
     return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q8_amx_init", {"treeserve_q8::mm": _mm_shape},
-                                  CPU_NEEDS, "the int formats keep a bf16 LM head")
+                                  CPU_NEEDS, "the int formats' head runs the AVX2 kernel (q_avx2.cpp) where the CPU has AVX2, else bf16")
 
 
 def available() -> bool:
-    """True when the kernel is built and loaded and runs on this CPU (AVX-512), whether or not it
-    may use AMX tiles (:func:`tiles`)."""
-    return bool(_loaded() & cpp_build.VECTORS)
+    """True when this packing's kernel runs here: this one (AVX-512, whether or not it may use
+    AMX tiles, :func:`tiles`), or on a CPU without AVX-512 its AVX2 twin (:func:`avx2`)."""
+    return bool(_loaded() & cpp_build.VECTORS) or avx2_kernel.loaded()
+
+
+def avx2() -> bool:
+    """True when :func:`mm` runs the AVX2 kernel (``q_avx2.cpp``, fp32 FMAs at every row count):
+    this one cannot run here, that one can."""
+    return not _loaded() & cpp_build.VECTORS and avx2_kernel.loaded()
 
 
 def tiles() -> bool:
@@ -83,10 +90,15 @@ def pack(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return packed, scales
 
 
-def mm(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int = MIN_ROWS) -> Tensor:
-    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: float32 ``(M, N)``, on :func:`pack`'s buffers.
+def mm(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int = MIN_ROWS,
+       avx2: bool = False) -> Tensor:
+    """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: float32 ``(M, N)``, on :func:`pack`'s buffers
+    (``avx2``: on the AVX2 kernel; pass :func:`avx2`'s answer, a constant of the machine).
 
     Call only once :func:`available` has returned True (it loads the op).
     """
+    if avx2:
+        out: Tensor = torch.ops.treeserve_avx2.q8_mm(x, codes, scales, out_features)
+        return out
     result: Tensor = torch.ops.treeserve_q8.mm(x, codes, scales, out_features, min_rows)
     return result

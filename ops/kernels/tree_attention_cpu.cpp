@@ -1,5 +1,6 @@
 // Attention of a verify step's new tokens (a decode token, a chain or a token tree) over a KV
-// cache, for CPUs with AVX-512: the CPU twin of the CUDA tree-mask kernel.
+// cache, for CPUs with AVX-512 or AVX2 (16-lane vectors from simd16.h, one build per kind of CPU):
+// the CPU twin of the CUDA tree-mask kernel.
 //
 //   out = tree_decode(q, keys, values, lengths, tree_mask)
 //
@@ -31,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
+#include "simd16.h"
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,72 +47,38 @@ namespace {
 
 constexpr int kMaxRows = 16;     // query rows (new tokens x heads of one KV group) per item
 
+using namespace simd16;
+
 // 16 lanes of a head vector; the last vector of a head dimension that is not a multiple of 16
 // is loaded and stored under a lane mask.
-inline __m512 load(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
-inline __m512 load(const uint16_t* p, __mmask16 lanes) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));  // bf16 -> f32 is exact
-}
-inline void store(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, v); }
-inline void store(uint16_t* p, __m512 v, __mmask16 lanes) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN stays a (quiet) NaN
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
-  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+inline V16 load(const float* p, Mask16 lanes) { return vmaskz_loadu(lanes, p); }
+inline V16 load(const uint16_t* p, Mask16 lanes) { return vload_bf16(p, lanes); }  // bf16 -> f32 is exact
+inline void store(float* p, V16 v, Mask16 lanes) { vmask_storeu(p, lanes, v); }
+inline void store(uint16_t* p, V16 v, Mask16 lanes) { vstore_bf16(p, v, lanes); }  // nearest even, NaN stays
 
 // exp(x) for x <= 0 (scores minus their running maximum): x = n ln2 + r, |r| <= ln2 / 2, a
 // degree-7 Taylor polynomial for exp(r) (relative error below 1e-8), then scaled by 2^n.
 // Inputs below -87 give about 1e-38 instead of a smaller number or 0; masked scores never get
 // here (their weights are set to exactly 0).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split in two
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline V16 exp_nonpositive(V16 x) {
+  x = vmax(x, vset1(-87.0f));
+  const V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V16 r = vfnmadd(n, vset1(0.693145751953125f), x);  // ln2, split in two
+  r = vfnmadd(n, vset1(1.428606765330187e-06f), r);
+  V16 p = vset1(1.0f / 5040);
+  p = vfmadd(p, r, vset1(1.0f / 720));
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vmul_pow2(p, n);
 }
 
 struct Shape {
   int64_t batch, num_new, heads, kv_heads, capacity, head_dim;
 };
-
-// In-register transpose of a 16 x 16 float32 tile: rows r[i] become columns.
-inline void transpose16(__m512 r[16]) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a0 = _mm512_castps_pd(a[4 * i]), a1 = _mm512_castps_pd(a[4 * i + 1]);
-    const __m512d a2 = _mm512_castps_pd(a[4 * i + 2]), a3 = _mm512_castps_pd(a[4 * i + 3]);
-    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
-    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
-    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
-    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
-  }
-  for (int k = 0; k < 4; ++k) {  // b[4 i + k]: column 4 L + k of rows 4 i .. 4 i + 3, in 128-bit lane L
-    const __m512 x_lo = _mm512_shuffle_f32x4(b[k], b[4 + k], 0x44), x_hi = _mm512_shuffle_f32x4(b[k], b[4 + k], 0xEE);
-    const __m512 y_lo = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0x44), y_hi = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_f32x4(x_lo, y_lo, 0x88);
-    r[4 + k] = _mm512_shuffle_f32x4(x_lo, y_lo, 0xDD);
-    r[8 + k] = _mm512_shuffle_f32x4(x_hi, y_hi, 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(x_hi, y_hi, 0xDD);
-  }
-}
 
 // Scores of RB query rows against KC * 16 keys held transposed (kt[d * stride + j]):
 // score[r][j] = q[r] . k[j], 16 keys a vector, every FMA broadcasting one query element (no
@@ -118,20 +86,20 @@ inline void transpose16(__m512 r[16]) {
 template <int RB, int KC, int NV>
 inline void block_scores(const float (*q)[NV * 16], const float* kt, int64_t stride, int64_t head_dim,
                          float (*score)[256]) {
-  __m512 acc[RB][KC];
+  V16 acc[RB][KC];
   for (int i = 0; i < RB; ++i) {
-    for (int c = 0; c < KC; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int c = 0; c < KC; ++c) acc[i][c] = vzero();
   }
   for (int64_t d = 0; d < head_dim; ++d) {
-    __m512 k[KC];
-    for (int c = 0; c < KC; ++c) k[c] = _mm512_load_ps(kt + d * stride + c * 16);
+    V16 k[KC];
+    for (int c = 0; c < KC; ++c) k[c] = vload(kt + d * stride + c * 16);
     for (int i = 0; i < RB; ++i) {
-      const __m512 x = _mm512_set1_ps(q[i][d]);
-      for (int c = 0; c < KC; ++c) acc[i][c] = _mm512_fmadd_ps(x, k[c], acc[i][c]);
+      const V16 x = vset1(q[i][d]);
+      for (int c = 0; c < KC; ++c) acc[i][c] = vfmadd(x, k[c], acc[i][c]);
     }
   }
   for (int i = 0; i < RB; ++i) {
-    for (int c = 0; c < KC; ++c) _mm512_store_ps(score[i] + c * 16, acc[i][c]);
+    for (int c = 0; c < KC; ++c) vstore(score[i] + c * 16, acc[i][c]);
   }
 }
 
@@ -147,18 +115,18 @@ inline void block_scores(const float (*q)[NV * 16], const float* kt, int64_t str
 template <int RB, int NV>
 inline void block_values(const float* v, int64_t count, const float (*weight)[256], const float* shrink,
                          float (*acc)[NV * 16]) {
-  __m512 a[RB][NV];
+  V16 a[RB][NV];
   for (int i = 0; i < RB; ++i) {
-    for (int c = 0; c < NV; ++c) a[i][c] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c * 16), _mm512_set1_ps(shrink[i]));
+    for (int c = 0; c < NV; ++c) a[i][c] = vmul(vload(acc[i] + c * 16), vset1(shrink[i]));
   }
   for (int64_t j = 0; j < count; ++j) {
     for (int c = 0; c < NV; ++c) {
-      const __m512 x = _mm512_load_ps(v + j * NV * 16 + c * 16);
-      for (int i = 0; i < RB; ++i) a[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(weight[i][j]), x, a[i][c]);
+      const V16 x = vload(v + j * NV * 16 + c * 16);
+      for (int i = 0; i < RB; ++i) a[i][c] = vfmadd(vset1(weight[i][j]), x, a[i][c]);
     }
   }
   for (int i = 0; i < RB; ++i) {
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(acc[i] + c * 16, a[i][c]);
+    for (int c = 0; c < NV; ++c) vstore(acc[i] + c * 16, a[i][c]);
   }
 }
 
@@ -192,8 +160,8 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
                  T* out, PartialRow* partial, float* kt, float* vbuf) {
   constexpr int64_t block = kBlockKeys(NV), width = NV * 16;
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, rows = tc * group;
-  const __mmask16 tail = hd % 16 == 0 ? __mmask16(0xffff) : __mmask16((1u << (hd % 16)) - 1);
-  auto lanes = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xffff); };
+  const Mask16 tail = hd % 16 == 0 ? Mask16(0xffff) : Mask16((1u << (hd % 16)) - 1);
+  auto lanes = [&](int c) { return c == NV - 1 ? tail : Mask16(0xffff); };
   const float scale = 1.0f / std::sqrt(float(hd)), minus_inf = -std::numeric_limits<float>::infinity();
   const T* kbase = keys + (b * s.kv_heads + g) * s.capacity * hd;
   const T* vbase = values + (b * s.kv_heads + g) * s.capacity * hd;
@@ -206,8 +174,8 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     const int64_t t = t0 + r / group, h = g * group + r % group;
     const T* qr = q + ((b * s.num_new + t) * s.heads + h) * hd;
     for (int c = 0; c < NV; ++c) {
-      _mm512_store_ps(qs[r] + c * 16, _mm512_mul_ps(load(qr + c * 16, lanes(c)), _mm512_set1_ps(scale)));
-      _mm512_store_ps(acc[r] + c * 16, _mm512_setzero_ps());
+      vstore(qs[r] + c * 16, vmul(load(qr + c * 16, lanes(c)), vset1(scale)));
+      vstore(acc[r] + c * 16, vzero());
     }
     run_max[r] = minus_inf;
     run_sum[r] = 0.0f;
@@ -218,16 +186,16 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     // (vbuf[j * width + d]): once for all of the item's rows.
     for (int64_t j = 0; j < padded; j += 16) {
       for (int c = 0; c < NV; ++c) {
-        __m512 tile[16];
+        V16 tile[16];
         for (int i = 0; i < 16; ++i) {
-          tile[i] = j + i < n ? load(kbase + (j0 + j + i) * hd + c * 16, lanes(c)) : _mm512_setzero_ps();
+          tile[i] = j + i < n ? load(kbase + (j0 + j + i) * hd + c * 16, lanes(c)) : vzero();
         }
         transpose16(tile);
-        for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (c * 16 + i) * block + j, tile[i]);
+        for (int i = 0; i < 16; ++i) vstore(kt + (c * 16 + i) * block + j, tile[i]);
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      for (int c = 0; c < NV; ++c) _mm512_store_ps(vbuf + j * width + c * 16, load(vbase + (j0 + j) * hd + c * 16, lanes(c)));
+      for (int c = 0; c < NV; ++c) vstore(vbuf + j * width + c * 16, load(vbase + (j0 + j) * hd + c * 16, lanes(c)));
     }
     row_blocks(rows, [&](auto rb, int64_t r) { block_scores<rb.value, NV>(qs + r, kt, block, padded, hd, score + r); });
     for (int64_t r = 0; r < rows; ++r) {
@@ -238,15 +206,15 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
           if (!visible[j0 + j - committed]) sr[j] = minus_inf;
         }
       }
-      __m512 top = _mm512_set1_ps(minus_inf);
-      __mmask16 unordered = 0;
+      V16 top = vset1(minus_inf);
+      Mask16 unordered = 0;
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-        const __m512 x = _mm512_loadu_ps(sr + j);
-        top = _mm512_mask_max_ps(top, in, top, x);
-        unordered |= _mm512_mask_cmp_ps_mask(in, x, x, _CMP_UNORD_Q);
+        const Mask16 in = n - j >= 16 ? Mask16(0xffff) : Mask16((1u << (n - j)) - 1);
+        const V16 x = vloadu(sr + j);
+        top = vmask_max(top, in, top, x);
+        unordered |= vmask_unord(in, x);
       }
-      const float block_max = _mm512_reduce_max_ps(top);
+      const float block_max = vreduce_max(top);
       const float new_max = std::max(run_max[r], block_max);
       if (unordered || new_max == minus_inf) {  // a NaN score spoils the row; nothing visible yet: no change
         if (unordered) run_sum[r] = std::numeric_limits<float>::quiet_NaN();
@@ -255,17 +223,17 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
         continue;
       }
       shrink[r] = std::exp(run_max[r] - new_max);  // 0 on the first visible block
-      const __m512 top_all = _mm512_set1_ps(new_max), inf = _mm512_set1_ps(minus_inf);
-      __m512 weight_sum = _mm512_setzero_ps();
+      const V16 top_all = vset1(new_max), inf = vset1(minus_inf);
+      V16 weight_sum = vzero();
       for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(in, sr + j);
-        const __mmask16 seen = _mm512_mask_cmp_ps_mask(in, x, inf, _CMP_NEQ_OQ);
-        const __m512 w = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, top_all)));
-        weight_sum = _mm512_add_ps(weight_sum, w);
-        _mm512_mask_storeu_ps(sr + j, in, w);
+        const Mask16 in = n - j >= 16 ? Mask16(0xffff) : Mask16((1u << (n - j)) - 1);
+        const V16 x = vmaskz_loadu(in, sr + j);
+        const Mask16 seen = vmask_neq(in, x, inf);
+        const V16 w = vmaskz_mov(seen, exp_nonpositive(vsub(x, top_all)));
+        weight_sum = vadd(weight_sum, w);
+        vmask_storeu(sr + j, in, w);
       }
-      run_sum[r] = run_sum[r] * shrink[r] + _mm512_reduce_add_ps(weight_sum);
+      run_sum[r] = run_sum[r] * shrink[r] + vreduce_add(weight_sum);
       run_max[r] = new_max;
     }
     if constexpr (NV <= 4) {
@@ -278,15 +246,15 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     for (int64_t r = 0; r < rows; ++r) {
       partial[r].max = run_max[r];
       partial[r].sum = run_sum[r];
-      for (int c = 0; c < NV; ++c) _mm512_store_ps(partial[r].acc + c * 16, _mm512_load_ps(acc[r] + c * 16));
+      for (int c = 0; c < NV; ++c) vstore(partial[r].acc + c * 16, vload(acc[r] + c * 16));
     }
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / group, h = g * group + r % group;
     T* o = out + ((b * s.num_new + t) * s.heads + h) * hd;
-    const __m512 inv = _mm512_set1_ps(run_sum[r] == 0.0f ? 0.0f : 1.0f / run_sum[r]);  // nothing seen: 0; NaN stays
-    for (int c = 0; c < NV; ++c) store(o + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), inv), lanes(c));
+    const V16 inv = vset1(run_sum[r] == 0.0f ? 0.0f : 1.0f / run_sum[r]);  // nothing seen: 0; NaN stays
+    for (int c = 0; c < NV; ++c) store(o + c * 16, vmul(vload(acc[r] + c * 16), inv), lanes(c));
   }
 }
 
@@ -295,24 +263,24 @@ template <typename T, int NV>
 void merge_partials(const PartialRow* parts, int64_t segments, int64_t rows, const Shape& s, int64_t b, int64_t g,
                     int64_t t0, T* out) {
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads;
-  const __mmask16 tail = hd % 16 == 0 ? __mmask16(0xffff) : __mmask16((1u << (hd % 16)) - 1);
+  const Mask16 tail = hd % 16 == 0 ? Mask16(0xffff) : Mask16((1u << (hd % 16)) - 1);
   for (int64_t r = 0; r < rows; ++r) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t k = 0; k < segments; ++k) top = std::max(top, parts[k * kMaxRows + r].max);
     float sum = 0.0f;
-    __m512 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    V16 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = vzero();
     for (int64_t k = 0; k < segments; ++k) {
       const PartialRow& p = parts[k * kMaxRows + r];
       if (p.max == -std::numeric_limits<float>::infinity() && !std::isnan(p.sum)) continue;  // saw nothing
       const float w = std::exp(p.max - top);
       sum += p.sum * w;
-      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(_mm512_load_ps(p.acc + c * 16), _mm512_set1_ps(w), acc[c]);
+      for (int c = 0; c < NV; ++c) acc[c] = vfmadd(vload(p.acc + c * 16), vset1(w), acc[c]);
     }
     const int64_t t = t0 + r / group, h = g * group + r % group;
     T* o = out + ((b * s.num_new + t) * s.heads + h) * hd;
-    const __m512 inv = _mm512_set1_ps(sum == 0.0f ? 0.0f : 1.0f / sum);  // nothing seen: 0; NaN stays
-    for (int c = 0; c < NV; ++c) store(o + c * 16, _mm512_mul_ps(acc[c], inv), c == NV - 1 ? tail : __mmask16(0xffff));
+    const V16 inv = vset1(sum == 0.0f ? 0.0f : 1.0f / sum);  // nothing seen: 0; NaN stays
+    for (int c = 0; c < NV; ++c) store(o + c * 16, vmul(acc[c], inv), c == NV - 1 ? tail : Mask16(0xffff));
   }
 }
 

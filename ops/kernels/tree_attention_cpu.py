@@ -1,6 +1,6 @@
 """The verify step's attention on CPU: new tokens over their row's KV cache under a token tree.
 
-``tree_attention_cpu.cpp`` (AVX-512; see its header) computes, for each new token, attention
+``tree_attention_cpu.cpp`` (AVX-512, or AVX2 where the CPU has no AVX-512; see its header) computes, for each new token, attention
 over its row's committed slots plus the tree-visible new slots, reading each key and value
 once per KV head (GQA) under an online softmax. It replaces, in the decode step, torch's
 fused attention over a dense ``(B, 1, T, S)`` mask: that kernel read every row up to the
@@ -26,6 +26,8 @@ from treeserve.ops.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("tree_attention_cpu.cpp")
 FLAGS = cpp_build.AVX512
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+"""The build for a CPU without AVX-512 (``simd16.h``'s AVX2 backend: two ymm halves a vector)."""
 MAX_HEAD_DIM = 128
 MAX_GROUP = 16
 """The most query heads per KV head (one item's rows; more would need the group split)."""
@@ -45,13 +47,17 @@ def _write_kv_shape(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: 
 
 
 def available() -> bool:
-    """True when the kernel is built and loaded (a CPU with AVX-512 and a C++ compiler)."""
+    """True when the kernel is built and loaded (a CPU with AVX-512, or AVX2 and FMA, and a C++
+    compiler)."""
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = False
-            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags():
-                path = cpp_build.build(SOURCE, FLAGS)
+            flags = cpp_build.cpu_flags()
+            chosen = FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else (
+                AVX2_FLAGS if {"avx2", "fma", "f16c"} <= flags else None)
+            if chosen is not None:
+                path = cpp_build.build(SOURCE, chosen)
                 if path is not None:
                     torch.ops.load_library(str(path))  # registers treeserve_attn::tree_decode
                     torch.library.register_fake("treeserve_attn::tree_decode")(_shape)

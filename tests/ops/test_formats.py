@@ -210,3 +210,21 @@ def test_saved_format_is_read_back_and_computes_the_same(tmp_path, monkeypatch, 
     assert torch.equal(first(tokens, first.new_cache(1, 8)), second(tokens, second.new_cache(1, 8)))
     (source / "model.safetensors").write_bytes(b"other weights")  # a changed file: another key
     assert models._formatted_path(make_tiny_model(3, **FORMAT_DIMS), source, WeightFormat(name), tmp_path) != saved
+
+
+def test_bfloat16_needs_no_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU where oneDNN has no bf16 (AVX2 only: it refuses to reorder the weight), the
+    bfloat16 format falls back to ``F.linear`` on the same bf16 values instead of failing to load."""
+    from treeserve.ops import formats
+
+    weight = torch.randn(64, 32)
+    x = torch.randn(3, 32).bfloat16()
+    monkeypatch.setattr(formats, "onednn_bf16", lambda: False)
+    plain = formats.make_linear(WeightFormat.BFLOAT16, weight, None)
+    assert isinstance(plain, formats.DenseLinear)
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, weight.bfloat16()))
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        monkeypatch.setattr(formats, "onednn_bf16", lambda: True)
+        packed = formats.make_linear(WeightFormat.BFLOAT16, weight, None)
+        assert isinstance(packed, formats.OneDnnLinear)
+        assert (packed(x).float() - plain(x).float()).abs().max() <= 0.05

@@ -1,5 +1,5 @@
-"""The int formats' Q8_0 LM head (``treeserve.ops.kernels.q8_amx``): both of its paths multiply
-by the blocks' exact values ``q * d``, at every row count, and llama.cpp's quantization recovers
+"""The int formats' Q8_0 LM head (``treeserve.ops.kernels.q8_amx``): both of its paths, and its
+AVX2 twin (``q_avx2.cpp``), multiply by the blocks' exact values ``q * d``, at every row count, and llama.cpp's quantization recovers
 a Q8_0 weight's own codes and scales."""
 
 from __future__ import annotations
@@ -8,9 +8,18 @@ import pytest
 import torch
 
 from treeserve.ops.formats import Q8Linear, q8_0_from_float, q8_buffers
-from treeserve.ops.kernels import q8_amx
+from treeserve.ops.kernels import avx2, q8_amx
 
-pytestmark = pytest.mark.skipif(not q8_amx.available(), reason="needs a CPU with AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not q8_amx.available(), reason="needs a CPU with AVX-512 or AVX2, and a C++ compiler")
+AVX512 = q8_amx.available() and not q8_amx.avx2()
+_needs_avx512 = pytest.mark.skipif(not AVX512, reason="needs AVX-512")
+# (min_rows, on AVX2): the tiles (the AVX-512 path without them), the AVX-512 path, the AVX2 kernel
+# (which also runs on a CPU with AVX-512, so all three are checked there).
+PATHS = [
+    pytest.param((1, False), id="tiles", marks=_needs_avx512),
+    pytest.param((10**9, False), id="avx512", marks=_needs_avx512),
+    pytest.param((1, True), id="avx2", marks=pytest.mark.skipif(not avx2.loaded(), reason="needs AVX2")),
+]
 
 ROW_COUNTS = (1, 2, 5, 6, 16, 17, 40)  # the AVX-512 path, up to MIN_ROWS, whole tiles, tails
 
@@ -27,8 +36,9 @@ def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, Q8Linear]:
     return exact, Q8Linear(q8_buffers(exact), n)
 
 
-def _run(head: Q8Linear, x: torch.Tensor, min_rows: int) -> torch.Tensor:
-    return q8_amx.mm(x, head.codes, head.scales, head.out_features, min_rows)
+def _run(head: Q8Linear, x: torch.Tensor, path: tuple[int, bool]) -> torch.Tensor:
+    min_rows, on_avx2 = path
+    return q8_amx.mm(x, head.codes, head.scales, head.out_features, min_rows, on_avx2)
 
 
 def test_q8_0_from_float_recovers_q8_0_weights_exactly() -> None:
@@ -41,8 +51,9 @@ def test_q8_0_from_float_recovers_q8_0_weights_exactly() -> None:
     assert (exact - w).abs().max() <= scale.float().max() / 2 + 1e-6  # round to nearest code
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(64, 64), (96, 160)])
-def test_both_paths_multiply_by_the_unrounded_weight_values(shape: tuple[int, int]) -> None:
+def test_both_paths_multiply_by_the_unrounded_weight_values(shape: tuple[int, int], path: tuple[int, bool]) -> None:
     """Rows that add two weights of one group: ``(q1 + q2) * d`` rounded once equals the fp32 sum
     of the two exact values, so each path must give the reference bit for bit. A kernel that
     rounds the weights to bf16 first misses on many outputs, which the last assertion shows."""
@@ -55,26 +66,26 @@ def test_both_paths_multiply_by_the_unrounded_weight_values(shape: tuple[int, in
     x[torch.arange(40), group + picks[:, 1]] += 1
     expected = x.float() @ exact.t()
     for rows in ROW_COUNTS:
-        for min_rows in (1, 10**9):  # the tiles, the AVX-512 path
-            out = _run(head, x[:rows], min_rows)
-            assert out.dtype == torch.float32
-            assert torch.equal(out, expected[:rows]), (rows, min_rows)
+        out = _run(head, x[:rows], path)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, expected[:rows]), rows
     rounded = x.float() @ exact.bfloat16().float().t()
     assert (rounded != expected).float().mean() > 0.05
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_paths_agree_on_random_rows(rows: int) -> None:
-    """Random activations: both paths are the fp64 product up to fp32 summation."""
+def test_paths_agree_on_random_rows(rows: int, path: tuple[int, bool]) -> None:
+    """Random activations: every path is the fp64 product up to fp32 summation, and the head
+    runs the path this machine's kernel takes."""
     exact, head = _weight(128, 192, seed=rows)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
     reference = x.double() @ exact.double().t()
     bound = (x.double().abs() @ exact.double().abs().t()) * 2**-14 + 1e-7
-    for min_rows in (1, 10**9):
-        assert ((_run(head, x, min_rows).double() - reference).abs() <= bound).all()
+    assert ((_run(head, x, path).double() - reference).abs() <= bound).all()
     folded = head(x.reshape(1, rows, 192))  # leading dims fold into rows
     assert folded.shape == (1, rows, 128)
-    assert torch.equal(folded[0], _run(head, x, q8_amx.MIN_ROWS))
+    assert torch.equal(folded[0], _run(head, x, (q8_amx.MIN_ROWS, not AVX512)))
 
 
 def test_pack_refuses_shapes_off_the_block_grid() -> None:
@@ -92,5 +103,8 @@ def test_the_served_head_applies_the_ggufs_q8_0_embedding(default_model) -> None
     assert torch.equal(_dequantize(codes, scale), weight)
     head = Q8Linear(q8_buffers(weight), weight.shape[0])
     eye = torch.eye(weight.shape[1], dtype=torch.bfloat16)
-    assert torch.equal(_run(head, eye, 1).t(), weight)  # the tiles
-    assert torch.equal(_run(head, eye[:8], 10**9).t(), weight[:, :8])  # the AVX-512 path
+    if AVX512:
+        assert torch.equal(_run(head, eye, (1, False)).t(), weight)  # the tiles
+        assert torch.equal(_run(head, eye[:8], (10**9, False)).t(), weight[:, :8])  # the AVX-512 path
+    if avx2.loaded():
+        assert torch.equal(_run(head, eye[:8], (1, True)).t(), weight[:, :8])

@@ -12,7 +12,7 @@ from treeserve.ops.tree_attention import tree_mask_from_parents
 
 from .test_tree_attention import reference_attention
 
-pytestmark = pytest.mark.skipif(not tree_attention_cpu.available(), reason="needs AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not tree_attention_cpu.available(), reason="needs AVX-512 or AVX2, and a C++ compiler")
 
 # (heads, kv_heads, head_dim, new tokens, committed lengths per row)
 CASES = [

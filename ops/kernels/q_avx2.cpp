@@ -1,0 +1,320 @@
+// The int formats' kernels for CPUs with AVX2 but no AVX-512 (AMD's Zen 1-3, Intel's client
+// cores before Ice Lake...): the same packings and the same weight values as q4_amx.cpp and
+// q8_amx.cpp, which need AVX-512 (this file's ops are what runs where they cannot).
+//
+// q4_mm: the q4_1 format's linears, int8 rows at every row count, as q4_amx.cpp's int8-row path:
+//   y[m, n] = sum_g scale[n, g] * d[m, g] * (sum_{k in g} xq[m, k] * (q[n, k] - 8)) + zero[n, g] * xs[m, g]
+// with xq = round(x / d), d = max |x| / 127 per group of 32 (llama.cpp's Q8_0 blocks) and xs the
+// exact fp32 sum of the group's bf16 x. vpmaddubsw multiplies the 4-bit codes (u8, 0..15) by xq
+// (s8) in pairs into int16 (at most 2 * 15 * 127 = 3810 a pair, so a group's eight products
+// add up in int16 without saturating: 30480); vpmaddwd widens a group's sums to int32, exactly.
+//
+// q8_mm: the LM head (Q8_0 codes, float16 d per 32), in fp32: each code widened to fp32 once
+// per group (exact), times the bf16 rows widened to fp32 (exact products), fp32 sums per group
+// scaled by d in fp32. On AVX2 an int8 product of signed codes costs as much as an fp32 FMA
+// (vpsignb, vpmaddubsw, vpmaddwd, vpaddd for 32 products against 4 FMAs), so the head keeps
+// the rows in full precision.
+//
+// Layouts: as q4_amx.cpp (codes [N/32][K/32][2 tiles][8 row pairs][32 lanes] bytes, scales and
+// zeros [N/32][K/32][2][32] bf16) and q8_amx.cpp (codes [N/32][K/32][2][16 tile rows][32 lanes]
+// int8, scales [N/32][K/32][32] float16). q4_mm returns bf16 (M, N), q8_mm fp32 (M, N).
+// Every row is computed by the same operations in the same order whatever the row count, so a
+// row's result has the same bits in a batch of 1 and of 64. Threads: torch's (OpenMP).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <type_traits>
+
+namespace {
+
+// body(begin, end) on torch's threads, output blocks [0, NB) split evenly.
+template <class Body>
+void over_blocks(int64_t NB, Body body) {
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
+    if (begin < end) body(begin, end);
+  }
+}
+
+// body(std::integral_constant<int, R>, m) for each chunk of at most Max rows of M (the row count
+// as a template argument, so a chunk's sums stay in registers).
+template <int Max, int R = Max, class Body>
+inline void over_row_chunks(int64_t M, Body body) {
+  if constexpr (R == Max) {
+    int64_t m = 0;
+    for (; m + Max <= M; m += Max) body(std::integral_constant<int, Max>{}, m);
+    if (m < M) over_row_chunks<Max, Max - 1>(M - m, [&](auto rows, int64_t offset) { body(rows, m + offset); });
+  } else if constexpr (R >= 1) {
+    if (M == R) body(std::integral_constant<int, R>{}, int64_t{0});
+    else over_row_chunks<Max, R - 1>(M, body);
+  }
+}
+
+// 8 bf16 -> 8 fp32 (exact).
+inline __m256 bf16x8_to_f32(const uint16_t* src) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// 8 fp32 -> 8 bf16, rounded to nearest even (NaN stays NaN: quieted).
+inline __m128i f32x8_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+  // 8 values < 65536 in 32-bit lanes -> 8 uint16 in order.
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: v0..3 v0..3 | v4..7 v4..7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0, 2
+}
+
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline int32_t reduce_add_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// q4_1
+
+constexpr int64_t kQ4BlockBytes = 2 * 8 * 32;  // codes of one 32-column block for one group
+constexpr int64_t kPrefetchGroups = 8;
+constexpr int kQ4Rows = 4;  // rows multiplied together (their int16 sums in registers)
+
+// One row's groups, as q4_amx.cpp's quantize_row: xq (K int8), d, -8 d sum(xq), and xs (the
+// exact sum of the group's x). A group whose largest |x| is under 1e-30 counts as zero in the
+// codes' term; NaN and inf rows stay non-finite through d and xs.
+void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8, float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = bf16x8_to_f32(x + g * 32 + i * 8);
+    const __m256 amax4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    // max_ps drops a NaN operand in favour of the other: a NaN anywhere makes the group NaN below.
+    const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+    const float amax = reduce_max(amax4), total = reduce_add(sum4);
+    const bool tiny = amax < 1e-30f;
+    const float scale = tiny ? 0.0f : amax / 127.0f, inverse = tiny ? 0.0f : 127.0f / amax;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));  // nearest even
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * 32), _mm256_permutevar8x32_epi32(bytes, order));
+    const int32_t qsum = reduce_add_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    // A NaN or inf x: total is non-finite, and so is every output of the row (via xs * zero).
+    d[g] = scale;
+    c8[g] = -8.0f * scale * static_cast<float>(qsum);
+    xs[g] = total;
+  }
+}
+
+// 32 codes of 8 columns of one tile row pair (16 bytes) -> the u8 operand of vpmaddubsw, the
+// four codes of a column in k order in its 32-bit lane (see q4_amx.cpp's codes_u8).
+inline __m256i codes_u8(const uint8_t* src) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
+}
+
+void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* xs, int64_t M, int64_t K, int64_t N,
+               const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t nb_begin, int64_t nb_end) {
+  const int64_t G = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  float* acc = static_cast<float*>(aligned_alloc(64, M * 32 * 4));
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    memset(acc, 0, M * 32 * 4);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* src = codes + (nb * G + g) * kQ4BlockBytes;
+      const uint16_t* s = sz + (nb * G + g) * 64;
+      for (int line = 0; line < kQ4BlockBytes / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kQ4BlockBytes + line * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64 + 32), _MM_HINT_T0);
+      for (int quarter = 0; quarter < 4; ++quarter) {  // columns quarter*8 .. +7: tile quarter/2, half quarter%2
+        const uint8_t* base = src + (quarter / 2) * 256 + (quarter % 2) * 16;
+        __m256i w[8];
+        for (int p = 0; p < 8; ++p) w[p] = codes_u8(base + p * 32);
+        const __m256 scale = bf16x8_to_f32(s + quarter * 8), zero = bf16x8_to_f32(s + 32 + quarter * 8);
+        over_row_chunks<kQ4Rows>(M, [&](auto rows, int64_t m0) {
+          constexpr int R = decltype(rows)::value;
+          __m256i dot[R];
+          for (int m = 0; m < R; ++m) dot[m] = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p) {
+            for (int m = 0; m < R; ++m) {
+              int32_t four;
+              memcpy(&four, xq + (m0 + m) * K + g * 32 + 4 * p, sizeof(four));
+              dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(four)));
+            }
+          }
+          for (int m = 0; m < R; ++m) {
+            const int64_t row = (m0 + m) * G + g;
+            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)), _mm256_set1_ps(d[row]),
+                                             _mm256_set1_ps(c8[row]));
+            float* a = acc + (m0 + m) * 32 + quarter * 8;
+            _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(xs[row]), zero, _mm256_fmadd_ps(t, scale, _mm256_load_ps(a))));
+          }
+        });
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int q = 0; q < 4; ++q)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + nb * 32 + q * 8), f32x8_to_bf16(_mm256_load_ps(acc + m * 32 + q * 8)));
+  }
+  free(acc);
+}
+
+at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "treeserve_avx2::q4_mm: x must be 2-D bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && codes.numel() * 2 == N * K && codes.is_contiguous() &&
+                  scales_zeros.is_contiguous() && scales_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_zeros.numel() == N * G * 2,
+              "treeserve_avx2::q4_mm: the packing does not fit x");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  int8_t* xq = static_cast<int8_t*>(aligned_alloc(64, ((M * K + 63) / 64) * 64));
+  float* f = static_cast<float*>(aligned_alloc(64, ((3 * M * G * 4 + 63) / 64) * 64));
+  float *d = f, *c8 = f + M * G, *xs = f + 2 * M * G;
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, xq + m * K, d + m * G, c8 + m * G, xs + m * G);
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  over_blocks(N / 32, [&](int64_t begin, int64_t end) { q4_blocks(xq, d, c8, xs, M, K, N, cp, sp, yp, begin, end); });
+  free(xq);
+  free(f);
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q8_0 head
+
+constexpr int64_t kQ8BlockBytes = 2 * 16 * 32;
+constexpr int64_t kQ8PrefetchBytes = 4096;
+constexpr int kQ8Rows = 3;  // rows a pass (2: 11.3 ms for 16 rows of the head, 3: 10.0, 4: 13.1, spilling)
+
+// Column sums of one tile's pair-interleaved sums: lanes 2c + j of a (columns 0..3) and b
+// (columns 4..7) -> the 8 columns' totals, in order.
+inline __m256 pair_sums(__m256 a, __m256 b) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a, b)), 0xD8));
+}
+
+void q8_blocks(const float* xf, int64_t M, int64_t K, int64_t N, const int8_t* codes, const uint16_t* scales, float* y,
+               int64_t nb_begin, int64_t nb_end) {
+  const int64_t G = K / 32;
+  alignas(64) float wf[16][32];  // one tile's codes widened to fp32: row r, lane 2c + j
+  float* acc = static_cast<float*>(aligned_alloc(64, M * 32 * 4));
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    memset(acc, 0, M * 32 * 4);
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* src = codes + (nb * G + g) * kQ8BlockBytes;
+      for (int line = 0; line < kQ8BlockBytes / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(src + kQ8PrefetchBytes + line * 64), _MM_HINT_T0);
+      const uint16_t* s = scales + (nb * G + g) * 32;
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < 16; ++r)
+          for (int v = 0; v < 4; ++v)
+            _mm256_store_ps(wf[r] + v * 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + h * 512 + r * 32 + v * 8)))));
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h * 16)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h * 16 + 8)));
+        over_row_chunks<kQ8Rows>(M, [&](auto rows, int64_t m0) {
+          constexpr int R = decltype(rows)::value;
+          __m256 part[R][4];
+          for (int m = 0; m < R; ++m)
+            for (int v = 0; v < 4; ++v) part[m][v] = _mm256_setzero_ps();
+          for (int r = 0; r < 16; ++r) {
+            for (int m = 0; m < R; ++m) {
+              double pair;  // (x[2r], x[2r + 1]) in every lane pair
+              memcpy(&pair, xf + (m0 + m) * K + g * 32 + 2 * r, sizeof(pair));
+              const __m256 xb = _mm256_castpd_ps(_mm256_set1_pd(pair));
+              for (int v = 0; v < 4; ++v) part[m][v] = _mm256_fmadd_ps(_mm256_load_ps(wf[r] + v * 8), xb, part[m][v]);
+            }
+          }
+          for (int m = 0; m < R; ++m) {
+            float* a = acc + (m0 + m) * 32 + h * 16;
+            _mm256_store_ps(a, _mm256_fmadd_ps(pair_sums(part[m][0], part[m][1]), d0, _mm256_load_ps(a)));
+            _mm256_store_ps(a + 8, _mm256_fmadd_ps(pair_sums(part[m][2], part[m][3]), d1, _mm256_load_ps(a + 8)));
+          }
+        });
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) memcpy(y + m * N + nb * 32, acc + m * 32, 32 * sizeof(float));
+  }
+  free(acc);
+}
+
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "treeserve_avx2::q8_mm: x must be 2-D bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && codes.numel() == N * K && codes.scalar_type() == at::kChar &&
+                  codes.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == N * (K / 32),
+              "treeserve_avx2::q8_mm: the packing does not fit x");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  float* xf = static_cast<float*>(aligned_alloc(64, ((M * K * 4 + 63) / 64) * 64));
+  for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_to_f32(xp + i));
+  const auto* cp = codes.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  float* yp = y.data_ptr<float>();
+  over_blocks(N / 32, [&](int64_t begin, int64_t end) { q8_blocks(xf, M, K, N, cp, sp, yp, begin, end); });
+  free(xf);
+  return y;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this CPU has AVX2, FMA and F16C (what this file is compiled for), else 0 (the caller
+// must not call the ops).
+int ts_avx2_init(void) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const bool fma = (c >> 12) & 1, f16c = (c >> 29) & 1, osxsave = (c >> 27) & 1;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+  const bool avx2 = (b >> 5) & 1;
+  return fma && f16c && osxsave && avx2 ? 1 : 0;
+}
+
+}  // extern "C"
+
+TORCH_LIBRARY(treeserve_avx2, m) {
+  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales_zeros, int out_features) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(treeserve_avx2, CPU, m) {
+  m.impl("q4_mm", q4_mm);
+  m.impl("q8_mm", q8_mm);
+}
