@@ -1,7 +1,7 @@
 // What the AMX kernels (q4_amx.cpp, q8_amx.cpp) share: the CPU and OS checks (init: vector
 // paths everywhere with AVX-512, tiles only where AMX is granted), the one tile
-// configuration they use, one group's tile products, bf16 widening, row padding and the split
-// of output blocks over torch's threads. Header-only; cpp_build keys every kernel's build
+// configuration they use, one group's tile products, bf16 widening, row padding (and, from
+// cpu_blocks.h, the split of output blocks over torch's threads). Header-only; cpp_build keys every kernel's build
 // on this directory's headers too.
 //
 // Tiles (palette 1): tmm0, tmm1 C (16 x 16 fp32); tmm2 A (16 rows x 32 bf16); tmm3, tmm4 B
@@ -19,6 +19,8 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "cpu_blocks.h"
 
 namespace treeserve_amx {
 
@@ -104,16 +106,6 @@ inline uint16_t* padded_rows(const uint16_t* x, int64_t M, int64_t K) {
   return xa;
 }
 
-// body(begin, end) on torch's threads, output blocks [0, NB) split evenly.
-template <class Body>
-void over_blocks(int64_t NB, Body body) {
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t chunk = (NB + nt - 1) / nt, begin = t * chunk, end = begin + chunk < NB ? begin + chunk : NB;
-    if (begin < end) body(begin, end);
-  }
-}
+using treeserve_cpu::over_blocks;
 
 }  // namespace treeserve_amx

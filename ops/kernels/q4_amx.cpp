@@ -49,6 +49,7 @@ using treeserve_amx::configure_tiles;
 using treeserve_amx::group_products;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
+using treeserve_cpu::over_row_chunks;
 
 // bf16 bit patterns of q - 8 for q in 0..15 (entries 16..31 unused).
 __m512i code_table() {
@@ -186,20 +187,6 @@ inline void row_blocks(int64_t G, int64_t N, const uint8_t* codes, const uint16_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
     }
-  }
-}
-
-// body(std::integral_constant<int, R>, m) for each chunk of at most Max rows of M: the row
-// count as a template argument (1..Max), so each chunk's sums stay in registers.
-template <int Max, int R = Max, class Body>
-inline void over_row_chunks(int64_t M, Body body) {
-  if constexpr (R == Max) {
-    int64_t m = 0;
-    for (; m + Max <= M; m += Max) body(std::integral_constant<int, Max>{}, m);
-    if (m < M) over_row_chunks<Max, Max - 1>(M - m, [&](auto rows, int64_t offset) { body(rows, m + offset); });
-  } else if constexpr (R >= 1) {
-    if (M == R) body(std::integral_constant<int, R>{}, int64_t{0});
-    else over_row_chunks<Max, R - 1>(M, body);
   }
 }
 
