@@ -189,8 +189,10 @@ class DecodeStep:
                 from torch._inductor import config as inductor_config  # 1.8 s of imports: only here
 
                 with self.artifact.open("rb") as file, inductor_config.patch({"cpp.vec_isa_ok": True}):
-                    self._compiled = torch.compiler.load_compiled_function(file)
+                    loaded = torch.compiler.load_compiled_function(file)
+                # The times first: another thread may read them as soon as is_compiled holds.
                 self.load_seconds = time.perf_counter() - started
+                self._compiled = loaded
                 return
             except Exception:  # a truncated or foreign file: compile afresh below
                 self.artifact.unlink(missing_ok=True)
@@ -223,8 +225,8 @@ class DecodeStep:
         partial = self.artifact.with_suffix(f".partial-{os.getpid()}")
         compiled.save_compiled_function(str(partial))
         os.replace(partial, self.artifact)
-        self._compiled = compiled
         self.compile_seconds = time.perf_counter() - started
+        self._compiled = compiled
 
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
