@@ -36,42 +36,17 @@
 #include <type_traits>
 
 #include "cpu_blocks.h"
+#include "simd16.h"  // its AVX2 backend: this file is built without AVX-512
 
 namespace {
 
 using treeserve_cpu::over_blocks;
 using treeserve_cpu::over_row_chunks;
 
-// 8 bf16 -> 8 fp32 (exact).
-inline __m256 bf16x8_to_f32(const uint16_t* src) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// 8 fp32 -> 8 bf16, rounded to nearest even (NaN stays NaN: quieted).
-inline __m128i f32x8_to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
-  // 8 values < 65536 in 32-bit lanes -> 8 uint16 in order.
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: v0..3 v0..3 | v4..7 v4..7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0, 2
-}
-
-inline float reduce_add(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float reduce_max(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
+using simd16::bf16_round8;
+using simd16::bf16x8;
+using simd16::reduce_add8;
+using simd16::reduce_max8;
 
 inline int32_t reduce_add_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -94,12 +69,12 @@ void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8,
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < K / 32; ++g) {
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = bf16x8_to_f32(x + g * 32 + i * 8);
+    for (int i = 0; i < 4; ++i) v[i] = bf16x8(x + g * 32 + i * 8);
     const __m256 amax4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     // max_ps drops a NaN operand in favour of the other: a NaN anywhere makes the group NaN below.
     const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-    const float amax = reduce_max(amax4), total = reduce_add(sum4);
+    const float amax = reduce_max8(amax4), total = reduce_add8(sum4);
     const bool tiny = amax < 1e-30f;
     const float scale = tiny ? 0.0f : amax / 127.0f, inverse = tiny ? 0.0f : 127.0f / amax;
     __m256i q[4];
@@ -139,7 +114,7 @@ void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* x
         const uint8_t* base = src + (quarter / 2) * 256 + (quarter % 2) * 16;
         __m256i w[8];
         for (int p = 0; p < 8; ++p) w[p] = codes_u8(base + p * 32);
-        const __m256 scale = bf16x8_to_f32(s + quarter * 8), zero = bf16x8_to_f32(s + 32 + quarter * 8);
+        const __m256 scale = bf16x8(s + quarter * 8), zero = bf16x8(s + 32 + quarter * 8);
         over_row_chunks<kQ4Rows>(M, [&](auto rows, int64_t m0) {
           constexpr int R = decltype(rows)::value;
           __m256i dot[R];
@@ -163,7 +138,7 @@ void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* x
     }
     for (int64_t m = 0; m < M; ++m)
       for (int q = 0; q < 4; ++q)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + nb * 32 + q * 8), f32x8_to_bf16(_mm256_load_ps(acc + m * 32 + q * 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + nb * 32 + q * 8), bf16_round8(_mm256_load_ps(acc + m * 32 + q * 8)));
   }
   free(acc);
 }
@@ -262,7 +237,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   float* xf = static_cast<float*>(aligned_alloc(64, ((M * K * 4 + 63) / 64) * 64));
-  for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_to_f32(xp + i));
+  for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8(xp + i));
   const auto* cp = codes.data_ptr<int8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* yp = y.data_ptr<float>();

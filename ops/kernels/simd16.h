@@ -135,18 +135,19 @@ inline Mask16 vmask_unord(Mask16 m, V16 a) {
 inline Mask16 vmask_neq(Mask16 m, V16 a, V16 b) {
   return m & bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_NEQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_NEQ_OQ));
 }
-inline float vreduce_add(V16 a) {
-  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+// The 8-lane pieces below also serve q_avx2.cpp.
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline float vreduce_max(V16 a) {
-  const __m256 s8 = _mm256_max_ps(a.lo, a.hi);
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
+inline float vreduce_add(V16 a) { return reduce_add8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vreduce_max(V16 a) { return reduce_max8(_mm256_max_ps(a.lo, a.hi)); }
 inline V16 vround(V16 a) {
   return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
@@ -157,6 +158,7 @@ inline __m256 pow2(__m256 n) {
 }
 inline V16 vmul_pow2(V16 a, V16 n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
 
+// 8 bf16 -> 8 fp32 (exact).
 inline __m256 bf16x8(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -169,6 +171,7 @@ inline V16 vload_bf16(const uint16_t* p, Mask16 m) {
   }
   return {bf16x8(lanes), bf16x8(lanes + 8)};
 }
+// 8 fp32 -> 8 bf16, nearest even (NaN stays a quiet NaN).
 inline __m128i bf16_round8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
