@@ -26,6 +26,9 @@ from treeserve.ops.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("tree_attention_cpu.cpp")
 FLAGS = cpp_build.AVX512
+BF16_FLAGS = ("-mavx512bf16",)
+"""Added where the CPU has AVX512-BF16: bfloat16 attention with a head size that is a multiple of
+32 then multiplies queries by keys in bf16 pairs (``attend_item_bf16``), without widening them."""
 AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 """The build for a CPU without AVX-512 (``simd16.h``'s AVX2 backend: two ymm halves a vector)."""
 MAX_HEAD_DIM = 128
@@ -56,6 +59,8 @@ def available() -> bool:
             flags = cpp_build.cpu_flags()
             chosen = FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else (
                 AVX2_FLAGS if {"avx2", "fma", "f16c"} <= flags else None)
+            if chosen == FLAGS and "avx512_bf16" in flags:
+                chosen = (*FLAGS, *BF16_FLAGS)
             if chosen is not None:
                 path = cpp_build.build(SOURCE, chosen)
                 if path is not None:
