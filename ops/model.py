@@ -18,8 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from treeserve.ops.kernels import tree_attention_cuda
 from treeserve.ops.kv_cache import KVCache
-from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
+from treeserve.ops.tree_attention import (
+    ancestor_bits_from_mask,
+    attention_under_mask,
+    build_attention_mask,
+    uses_tree_kernel,
+)
 
 if TYPE_CHECKING:
     from treeserve.ops.decode_step import DecodeStep
@@ -88,7 +94,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention that writes its new K/V into the cache and reads the visible slots."""
+    """GQA self-attention that writes its new K/V into the cache and reads the visible slots:
+    through SDPA under ``mask``, or, given ``ancestor_bits`` (a token tree on CUDA), through the
+    CuPy tree kernel straight from the cache (no mask)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -112,6 +120,7 @@ class Attention(nn.Module):
         mask: Tensor | None,
         num_slots: int,
         is_causal: bool,
+        ancestor_bits: Tensor | None = None,
     ) -> Tensor:
         batch, num_new, _ = x.shape
         if self.qkv_proj is not None:
@@ -125,9 +134,15 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         cache.write(layer, k, v, lengths)
-        keys = cache.keys[layer][:, :, :num_slots]  # (B, n_kv, S, hd)
-        values = cache.values[layer][:, :, :num_slots]
-        out = attention_under_mask(q, keys, values, mask, is_causal=is_causal)  # (B, H, T, hd)
+        if ancestor_bits is not None:
+            # The whole cache storage: the kernel reads each row's own prefix and tree slots.
+            out = tree_attention_cuda.tree_attention_cuda(
+                q, cache.keys[layer], cache.values[layer], cache.lengths, ancestor_bits,
+                max_prefix_length=num_slots - num_new)  # (B, H, T, hd)
+        else:
+            keys = cache.keys[layer][:, :, :num_slots]  # (B, n_kv, S, hd)
+            values = cache.values[layer][:, :, :num_slots]
+            out = attention_under_mask(q, keys, values, mask, is_causal=is_causal)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*hd)
         result: Tensor = self.o_proj(out)
         return result
@@ -297,12 +312,16 @@ class Transformer(nn.Module):
         # One mask for all layers; None when every visible slot is attended (plain decode).
         same_lengths = all(length == lengths[0] for length in lengths)
         is_causal = tree_mask is None and num_new > 1 and max(lengths) == 0
+        ancestor_bits = None
         if slot_mask is not None:
             if slot_mask.shape != (batch, 1, num_new, num_slots):
                 raise ValueError(f"slot_mask must be {(batch, 1, num_new, num_slots)}, got {tuple(slot_mask.shape)}")
             mask, is_causal = slot_mask, False
         elif (num_new == 1 and same_lengths) or is_causal:
             mask = None
+        elif uses_tree_kernel(h.device, tree_mask, num_new):
+            assert tree_mask is not None
+            mask, ancestor_bits = None, ancestor_bits_from_mask(tree_mask)  # (B, T) words, no (B, 1, T, S) mask
         else:
             mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
         dtype = self.dtype
@@ -310,7 +329,8 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(dtype)[:, None]
         for index, module in enumerate(self.layers):
             block = cast(Block, module)
-            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal)
+            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal,
+                                    ancestor_bits)
             h = h + block.mlp(block.post_attention_layernorm(h))
         return h
 

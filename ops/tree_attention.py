@@ -12,6 +12,13 @@ Conventions shared by every function here (and by the CUDA twin in
 * ``parents``: ``(T,)`` or ``(B, T)`` long, the array form of a token tree: ``parents[i]`` is the
   index of node ``i``'s parent among the new tokens, or ``-1`` for a root (a node whose parent
   is the last committed token). Nodes are topologically ordered: ``parents[i] < i``.
+* ``ancestor_bits``: ``(B, T)`` int64 read as uint64 words, FlexFlow Serve's form of the tree
+  mask for at most 64 nodes: bit ``s`` of word ``t`` is ``tree_mask[b, t, s]``.
+
+On CUDA (with cupy) a tree runs the CuPy kernel of
+:mod:`treeserve.ops.kernels.tree_attention_cuda` on ancestor bits, and no dense mask is built
+(:func:`uses_tree_kernel` is the rule the model follows); elsewhere, and for chains and plain
+decode everywhere, torch's SDPA runs under the mask of :func:`build_attention_mask`.
 """
 
 from __future__ import annotations
@@ -103,19 +110,63 @@ def is_cuda_kernel_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 
 
-def tree_attention_from_parents(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, parents: Tensor) -> Tensor:
-    """Tree attention with the tree given as ``parents`` ``(B, T)``; dispatches to CUDA or torch.
+MAX_TREE_NODES = 64
+"""New tokens per row an ancestor word holds (the CUDA kernel's limit)."""
 
-    On CUDA tensors with cupy installed this runs the fused CuPy kernel
-    (mask built in-kernel from the parents); otherwise it builds the ancestor mask and calls
-    :func:`tree_attention`. Both paths return ``(B, H, T, hd)`` with the same values (to float
-    rounding).
-    """
+
+def ancestor_bits_from_mask(tree_mask: Tensor) -> Tensor:
+    """The ancestor words ``(B, T)`` int64 of a tree mask ``(B, T, T)`` bool (``T <= 64``): bit
+    ``s`` of word ``t`` is ``tree_mask[b, t, s]``. One op on the mask's device, no host read."""
+    num_nodes = tree_mask.shape[-1]
+    if num_nodes > MAX_TREE_NODES:
+        raise ValueError(f"ancestor words hold at most {MAX_TREE_NODES} nodes, got a {num_nodes}-node mask")
+    powers = torch.ones(num_nodes, dtype=torch.int64, device=tree_mask.device) << torch.arange(
+        num_nodes, device=tree_mask.device)  # bit 63 is int64's sign bit: the sum of distinct bits never carries
+    return (tree_mask.to(torch.int64) * powers).sum(-1)
+
+
+def ancestor_bits_from_parents(parents: Tensor) -> Tensor:
+    """The ancestor words ``(B, T)`` (or ``(T,)``) of a tree given as parents (checked as
+    :func:`tree_mask_from_parents` checks them)."""
+    return ancestor_bits_from_mask(tree_mask_from_parents(parents))
+
+
+def tree_mask_from_ancestor_bits(ancestor_bits: Tensor) -> Tensor:
+    """The tree mask ``(B, T, T)`` bool of ancestor words ``(B, T)``: the inverse of
+    :func:`ancestor_bits_from_mask`."""
+    num_nodes = ancestor_bits.shape[-1]
+    shifts = torch.arange(num_nodes, device=ancestor_bits.device)
+    return ((ancestor_bits[..., None] >> shifts) & 1).bool()  # the arithmetic shift keeps bit s at bit 0
+
+
+def uses_tree_kernel(device: torch.device, tree_mask: Tensor | None, num_new: int) -> bool:
+    """The model's rule for its attention: True when a token tree (a tree mask over at most
+    64 new tokens) on a CUDA device where the kernel can run takes the CuPy kernel; chains,
+    plain decode and CPU devices keep SDPA (the CPU's compiled step has its own kernel)."""
+    return (tree_mask is not None and device.type == "cuda" and num_new <= MAX_TREE_NODES
+            and is_cuda_kernel_available())
+
+
+def tree_attention_from_bits(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancestor_bits: Tensor, *,
+                             max_prefix_length: int | None = None) -> Tensor:
+    """Tree attention with the tree as ancestor words ``(B, T)``: the CuPy kernel on CUDA
+    tensors where cupy is installed, else its CPU twin (the ancestor mask, then
+    :func:`tree_attention`). Both return ``(B, H, T, hd)`` in q's dtype with the same values
+    to float rounding; ``max_prefix_length`` spares the kernel a device-to-host read."""
+    if q.is_cuda and is_cuda_kernel_available():
+        from treeserve.ops.kernels import tree_attention_cuda
+
+        return tree_attention_cuda.tree_attention_cuda(q, k, v, prefix_lengths, ancestor_bits,
+                                                       max_prefix_length=max_prefix_length)
+    return tree_attention(q, k, v, prefix_lengths, tree_mask_from_ancestor_bits(ancestor_bits))
+
+
+def tree_attention_from_parents(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, parents: Tensor) -> Tensor:
+    """Tree attention with the tree given as ``parents`` ``(T,)`` or ``(B, T)``: converted to
+    ancestor words (at most 64 nodes) for :func:`tree_attention_from_bits` on CUDA, to the
+    ancestor mask for :func:`tree_attention` elsewhere. Returns ``(B, H, T, hd)``."""
     if parents.dim() == 1:
         parents = parents.expand(q.shape[0], -1)
     if q.is_cuda and is_cuda_kernel_available():
-        from treeserve.ops.kernels.tree_attention_cuda import tree_attention_cuda
-
-        result: Tensor = tree_attention_cuda(q, k, v, prefix_lengths, parents)
-        return result
+        return tree_attention_from_bits(q, k, v, prefix_lengths, ancestor_bits_from_parents(parents))
     return tree_attention(q, k, v, prefix_lengths, tree_mask_from_parents(parents))
