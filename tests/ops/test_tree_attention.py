@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from treeserve.ops.tree_attention import (
+    ancestor_bits_from_parents,
     is_cuda_kernel_available,
     tree_attention,
+    tree_attention_from_bits,
     tree_attention_from_parents,
     tree_mask_from_parents,
 )
@@ -85,6 +87,20 @@ def test_tree_attention_matches_reference(device: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_tree_attention_from_bits_matches_reference(device: str, dtype: torch.dtype) -> None:
+    """The ancestor-word entry point (the CUDA kernel's; on CPU its twin) on the same inputs, in
+    each dtype against float64 of the rounded inputs: 1e-5 in float32, 2e-2 in 16 bits."""
+    q, k, v, prefix_lengths, parents_rows = make_inputs(4)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    expected = reference_attention(q, k, v, prefix_lengths, parents_rows)
+    bits = ancestor_bits_from_parents(torch.tensor(parents_rows))
+    got = tree_attention_from_bits(q.to(device), k.to(device), v.to(device), prefix_lengths.to(device), bits.to(device))
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.cpu().double() - expected).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sibling_leak_is_detected(device: str) -> None:
     """A causal (sibling-leaking) mask must differ from the reference: the check can fail."""
     q, k, v, prefix_lengths, parents_rows = make_inputs(3)
@@ -117,7 +133,7 @@ def test_cuda_module_imports_without_cupy() -> None:
 
     import treeserve.ops.kernels.tree_attention_cuda as mod
 
-    assert "tree_attention_fwd" in mod.KERNEL_SOURCE
+    assert all(name in mod.KERNEL_SOURCE for name in mod.KERNEL_NAMES)
     if importlib_find("cupy") is None:
         assert "cupy" not in sys.modules
 

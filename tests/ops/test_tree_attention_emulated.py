@@ -4,7 +4,7 @@ driven by the kernel's own host code (:func:`run_tree_attention`: plan, strides,
 combine). Results must match a float64 reference on random trees (chains, wide, deep, 64
 nodes), GQA, batches with different prefixes, several splits and block sizes, and float32,
 bfloat16 and float16 inputs. The CPU twin (:func:`tree_attention_from_bits` on CPU) runs the
-same cases. Broken variants of the source (mask ignored, no online-softmax rescale, a combine
+same cases, and so does the real kernel on CUDA (marked ``gpu``). Broken variants of the source (mask ignored, no online-softmax rescale, a combine
 without the splits' weights) must fail the same comparison. Skips without g++ (C++20).
 """
 
@@ -23,13 +23,12 @@ from treeserve.ops.kernels.tree_attention_cuda import KERNEL_SOURCE, THREADS_PER
 from treeserve.ops.tree_attention import (
     ancestor_bits_from_mask,
     ancestor_bits_from_parents,
+    is_cuda_kernel_available,
     tree_attention_from_bits,
     tree_mask_from_ancestor_bits,
     tree_mask_from_parents,
 )
 from treeserve.testing import tree_attention_shim
-
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to emulate the kernel")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 """Against float64 on the same (rounded) inputs: float32 sums, then one rounding of the output
@@ -37,6 +36,8 @@ to the input dtype (bf16 keeps 8 bits of mantissa, fp16 11)."""
 
 
 def _build(folder: Path, source: str) -> Any:
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to emulate the kernel")
     try:
         return tree_attention_shim.build(folder, source)
     except RuntimeError as exc:
@@ -134,6 +135,21 @@ def test_kernel_matches_reference(shim: Any, name: str, dtype: torch.dtype) -> N
     got = emulated(shim, q, k, v, lengths, bits, num_splits=1)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_cuda_kernel_available(), reason="needs CUDA and cupy")
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_cuda_kernel_matches_reference(name: str, dtype: torch.dtype, num_splits: int | None) -> None:
+    """GPU twin of the emulated tests: the same inputs and tolerances through CuPy."""
+    from treeserve.ops.kernels.tree_attention_cuda import tree_attention_cuda
+
+    q, k, v, lengths, bits, expected = case_inputs(name, 0, dtype)
+    got = tree_attention_cuda(q.cuda(), k.cuda(), v.cuda(), lengths.cuda(), bits.cuda(), num_splits=num_splits)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.cpu().double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize(("name", "threads", "num_splits"), [
