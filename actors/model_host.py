@@ -9,10 +9,14 @@ an ``invalid_request`` error reply (or a failed spawn, for a config).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from treeserve.ops.format_names import FORMAT_NAMES
+
+if TYPE_CHECKING:
+    from treeserve.ops.model import Transformer
 
 T = TypeVar("T")
 
@@ -36,9 +40,22 @@ def check_model_name(value: Any) -> str:
 
 def check_device(value: Any) -> str:
     """``value`` if it names a torch device this project serves on: ``cpu`` or ``cuda[:N]``."""
-    if not isinstance(value, str) or not (value == "cpu" or value.startswith("cuda")):
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
     return value
+
+
+def load_on_device(model: str, *, weight_format: str, device: str, cache_dir: str | None) -> Transformer:
+    """``model`` in ``weight_format`` on ``device``, without a compiled decode step (what a
+    speculator drafts with). The format is applied where the model runs: on CUDA the float32
+    weights move first and are formatted there (a CPU format's prepacked kernels do not move)."""
+    from treeserve.ops.loaders.load import load_model, prepare_for_serving
+
+    if device == "cpu":
+        return load_model(model, weight_format=weight_format, compile_decode=False, cache_dir=cache_dir).model
+    loaded = load_model(model, cache_dir=cache_dir)
+    return prepare_for_serving(loaded.model.to(device), loaded.source, weight_format, cache_dir=cache_dir,
+                               compile_decode=False)
 
 
 def check_str_or_none(value: Any, name: str) -> str | None:
@@ -101,4 +118,5 @@ __all__ = [
     "check_model_name",
     "check_str_or_none",
     "consume_exception",
+    "load_on_device",
 ]

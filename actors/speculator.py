@@ -68,11 +68,11 @@ from treeserve.actors.model_host import (
     check_int,
     check_model_name,
     check_str_or_none,
+    load_on_device,
 )
 from treeserve.actors.speculator_factory import Drafter, SpeculatorSpec, load_drafter, make_speculators
 from treeserve.actors.tree_wire import ParamsCache
 from treeserve.ops.drafting import Speculator, split_node_budget
-from treeserve.ops.loaders.load import load_model
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree, merge_trees
@@ -166,7 +166,7 @@ class SpeculatorActor(Actor):
         # The drafters read the LM's embedding and head (feature, distilled) or run its first
         # blocks (self:K): in the served format, on the format's kernels, not compiled (a
         # speculator never runs the full model's decode step).
-        model = load_model(cfg.model, weight_format=cfg.dtype, compile_decode=False, cache_dir=cfg.cache_dir).model.to(cfg.device)
+        model = load_on_device(cfg.model, weight_format=cfg.dtype, device=cfg.device, cache_dir=cfg.cache_dir)
         self._model = model
         self._drafters = [load_drafter(spec, model, weight_format=cfg.dtype, cache_dir=cfg.cache_dir, device=cfg.device)
                           for spec in cfg.speculators]  # FileNotFoundError / ValueError fail the spawn

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treeserve.actors.model_host import check_int
+from treeserve.actors.model_host import check_int, load_on_device
 from treeserve.ops.drafting import DEFAULT_EXPANSION, ModelSpeculator, Speculator, validate_expansion
 from treeserve.ops.feature_drafter import (
     DEFAULT_FEATURE_DRAFTER_FILE,
@@ -182,8 +182,9 @@ def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str
     if spec.kind is SpeculatorKind.MODEL:
         # In the served format, on the format's kernels, not compiled: a speculator never runs
         # the full model's decode step.
-        other = load_model(spec.options["model"], weight_format=weight_format, compile_decode=False,
-                           cache_dir=cache_dir).model.to(device)
+        other = (load_model(spec.options["model"], compile_decode=False, cache_dir=cache_dir).model.to(device)
+                 if weight_format is None else
+                 load_on_device(spec.options["model"], weight_format=weight_format, device=device, cache_dir=cache_dir))
         if other.config.vocab_size != model.config.vocab_size:
             raise ValueError(
                 f"drafter {spec.options['model']!r} has vocab size {other.config.vocab_size}, "

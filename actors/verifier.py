@@ -159,17 +159,18 @@ class VerifierShard(Actor):
 
     def _shard_and_allocate(self, model: Transformer, source: Path, capacity: int) -> None:
         cfg = self.config
-        if cfg.tp_size > 1:
+        if cfg.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(cfg.device))
+        backend = process_group_backend(cfg.device, cfg.tp_size)
+        if backend is not None:
             import torch.distributed as dist
 
             from treeserve.ops.tp import apply_tp, distributed_all_reduce
 
-            backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-            if cfg.device.startswith("cuda"):
-                torch.cuda.set_device(torch.device(cfg.device))
             dist.init_process_group(
                 backend,
                 init_method=cfg.dist_init,
+                store=dist.HashStore() if cfg.dist_init is None else None,  # type: ignore[attr-defined]  # world size 1: no peers
                 rank=cfg.tp_rank,
                 world_size=cfg.tp_size,
                 timeout=timedelta(seconds=cfg.dist_timeout_s),
@@ -329,7 +330,7 @@ class VerifierShard(Actor):
     ) -> tuple[list[VerifyResult], list[Tensor], dict[int, str]]:
         """Results and states per step, and the rows whose verification failed (row -> why)."""
         verifier: VerifyFn = row_checked_verifier(verify)
-        if self.config.tp_size > 1:
+        if self._has_group:
             device = cache.device if self.config.device != "cpu" else None
             verifier = rank0_broadcast_verifier(self.config.tp_rank, device, inner=verifier)
         guarded = _RowGuard(verifier, steps)
@@ -365,6 +366,8 @@ def _warm_up(model: Transformer, cache: KVCache) -> None:
         for _ in range(2):
             (result,) = verify_rows(model, cache, [RowStep(0, TokenTree.root_only(root), SamplingParams())])
             root = result.bonus_token
+        if cache.device.type == "cuda":  # a tree step: CuPy compiles the tree kernel (or loads it) now
+            verify_rows(model, cache, [RowStep(0, TokenTree.from_parents([-1, 0, 0], [root] * 3), SamplingParams())])
     finally:
         _zero_row(cache, 0)
 
@@ -405,6 +408,15 @@ class _RowGuard:
             _log.warning("verifier row %d failed: %s", row, exc)
             self.failures[row] = str(exc)
             return VerifyResult([0], int(tree.tokens[0]))
+
+
+def process_group_backend(device: str, tp_size: int) -> str | None:
+    """The ``torch.distributed`` backend a shard joins: NCCL on every CUDA shard, a lone one
+    too (world size 1: the same rendezvous, sharding and per-step decision broadcast as a
+    tensor-parallel group, run on one GPU), gloo for CPU groups, none for a lone CPU shard."""
+    if device.startswith("cuda"):
+        return "nccl"
+    return "gloo" if tp_size > 1 else None
 
 
 def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: VerifyFn = verify) -> VerifyFn:
@@ -448,6 +460,7 @@ def rank0_broadcast_verifier(rank: int, device: torch.device | None, inner: Veri
 __all__ = [
     "RowVerificationFailed",
     "VerifierShard",
+    "process_group_backend",
     "rank0_broadcast_verifier",
     "row_checked_verifier",
 ]

@@ -63,6 +63,9 @@ def add_generate_parser(sub: Any) -> None:
         help=f"use the compiled decode step (its first compile takes minutes, later starts load it in seconds); "
              f"auto (default): only from --max-tokens {COMPILE_MIN_TOKENS} on, below that the eager step finishes first",
     )
+    gen.add_argument("--device", default="cpu",
+                     help="cpu or cuda[:N]: where the verifier and the speculator run (on CUDA: float32 or bfloat16, "
+                          "auto is bfloat16)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     gen.add_argument(
@@ -130,6 +133,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
     from treeserve.cli_serve import server_config
     from treeserve.client import Client, ServerError
     from treeserve.server import Server
+    from treeserve.server_devices import DeviceUnavailableError
 
     with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
         config = server_config(
@@ -137,6 +141,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
             cache_dir=None if args.cache_dir is None else str(args.cache_dir),
             bind=f"ipc://{tmp}/gateway.sock",
             dtype=args.dtype,
+            device=args.device,
             num_rows=GENERATE_ROWS,
             row_capacity=min(8192, max(512, args.max_tokens + 2048)),
             speculators=tuple(s.to_wire() for s in specs),
@@ -153,7 +158,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
                 started = time.perf_counter()
                 completion = await client.generate(prompt, speculate=speculate, **fields)
                 elapsed = time.perf_counter() - started
-        except ServerError as exc:
+        except (ServerError, DeviceUnavailableError) as exc:
             raise UserError(f"{exc}") from None
     return {
         "text": completion.text,
@@ -178,9 +183,20 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
     from treeserve.models import load_model
     from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
 
-    loaded = load_model(model_name(args), weight_format=args.dtype, cache_dir=args.cache_dir, progress=progress,
-                        compile_decode=compile_decode(args))
-    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.device == "cpu":
+        loaded = load_model(model_name(args), weight_format=args.dtype, cache_dir=args.cache_dir, progress=progress,
+                            compile_decode=compile_decode(args))
+        model = loaded.model
+    else:  # formatted where it runs, as the verifier does (no compiled step off the CPU)
+        from treeserve.ops.loaders.load import prepare_for_serving
+
+        loaded = load_model(model_name(args), cache_dir=args.cache_dir, progress=progress)
+        try:
+            model = prepare_for_serving(loaded.model.to(args.device), loaded.source, args.dtype, cache_dir=args.cache_dir,
+                                        compile_decode=False)
+        except (ValueError, RuntimeError) as exc:  # a CPU-only format; no such device
+            raise UserError(f"--device {args.device}: {exc}") from None
+    tokenizer = loaded.tokenizer
     context = model.config.max_seq_len
     req = check_body(body, vocab_size=model.config.vocab_size, context_length=context)
     try:
@@ -192,7 +208,7 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
         raise UserError(f"prompt ({len(prompt_ids)} tokens) + --max-tokens {params.max_new_tokens} exceeds the "
                         f"context of {context} tokens")
     try:
-        drafters = [load_drafter(spec, model, weight_format=args.dtype,
+        drafters = [load_drafter(spec, model, weight_format=args.dtype, device=args.device,
                                  cache_dir=None if args.cache_dir is None else str(args.cache_dir)) for spec in specs]
     except ValueError as exc:
         raise UserError(str(exc)) from None

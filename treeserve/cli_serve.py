@@ -68,7 +68,9 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--no-adaptive", action="store_true",
                        help="always draft max-size token trees instead of sizing them by batch and measured gain")
     add_format_flag(serve)
-    serve.add_argument("--device", default=defaults.device, help="cpu or cuda[:N]")
+    serve.add_argument("--device", default=defaults.device,
+                       help="cpu or cuda[:N]: tensor-parallel rank r on GPU N+r (NCCL, also for --tp 1), speculators "
+                            "on the GPUs no rank holds first")
     serve.add_argument("--num-rows", type=int, default=defaults.num_rows, help="concurrent requests (KV-cache rows; default %(default)s)")
     serve.add_argument("--row-capacity", type=int, default=defaults.row_capacity, help="tokens per KV-cache row")
     serve.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
@@ -190,11 +192,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return failures
 
     from treeserve.actors.gateway_http import HttpBindError
+    from treeserve.server_devices import DeviceUnavailableError
 
     try:
         failures = uvloop.run(serve())
     except HttpBindError as exc:  # a port in use is the user's to fix, not a crash
         raise UserError(str(exc.strerror)) from None
+    except DeviceUnavailableError as exc:  # more ranks than GPUs, or no CUDA: fails before anything starts
+        raise UserError(str(exc)) from None
     if failures:  # a supervisor gave up: let the process manager restart us
         print(f"treeserve: error: the server failed: {'; '.join(failures)}", file=sys.stderr)
         return 1

@@ -46,6 +46,7 @@ from treeserve.runtime import (
     SupervisorGaveUp,
 )
 from treeserve.server_config import ServerConfig
+from treeserve.server_devices import DevicePlacement, count_gpus, place_devices
 
 def _num_cores() -> int:
     """Cores this process may run on (its CPU affinity, not the machine's total)."""
@@ -99,6 +100,8 @@ class Server:
         self.scheduler: ActorRef | None = None
         self.verifiers: list[ActorRef] = []
         self.speculators: list[ActorRef] = []
+        self.placement = DevicePlacement((), ())
+        """Each verifier rank's and speculator actor's device, set at :meth:`start`."""
         self.model_info: dict[str, Any] = {}
         self.verifier_supervisor: Any = None
         self.speculator_supervisor: Any = None
@@ -212,6 +215,7 @@ class Server:
             self._http = HttpGateway(http_config, self.metrics, failures=lambda: self.failures)
             await self._http.start()
             self._report(f"HTTP API on {self._http.url} (starting)")
+        self.placement = await asyncio.to_thread(self._place_devices)  # too few GPUs: fail before anything starts
         tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
         supervisor_config = SupervisorConfig(
             max_restarts=cfg.max_restarts,
@@ -253,7 +257,8 @@ class Server:
             dist_init = f"tcp://{host}:{_free_port()}"
         shard_configs = [
             {
-                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
+                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype,
+                "device": self.placement.verifier_devices[rank],
                 "tp_rank": rank, "tp_size": cfg.tp, "dist_init": dist_init,
                 "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
                 "num_threads": cfg.verifier_threads or max(1, _num_cores() // (1 if cluster else cfg.tp)),
@@ -337,23 +342,23 @@ class Server:
         self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
         spec_sup = self.speculator_supervisor = rt.supervisor(
             supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
-        spec_config = {
-            "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": cfg.device,
+        spec_configs = [{
+            "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": device,
             "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
             "num_threads": cfg.speculator_threads,
-        }
+        } for device in self.placement.speculator_devices]  # one actor per device (see place_devices)
         if agents:
             from treeserve.runtime.cluster import spawn_on
 
             self.speculators = list(await asyncio.gather(*(
                 spawn_on(agents[i % len(agents)], SpeculatorActor, f"speculator-{i}", [spec_config],
                          timeout=cfg.start_timeout_s + 30)
-                for i in range(cfg.num_speculator_actors)
+                for i, spec_config in enumerate(spec_configs)
             )))
         else:
             self.speculators = list(await asyncio.gather(*(
                 rt.spawn(SpeculatorActor, spec_config, name=f"speculator-{i}", process="child", supervisor=spec_sup)
-                for i in range(cfg.num_speculator_actors)
+                for i, spec_config in enumerate(spec_configs)
             )))
         return speculators
 
@@ -380,11 +385,20 @@ class Server:
         self._report("starting the length predictor")
         supervisor = self.predictor_supervisor = self.runtime.supervisor(
             supervisor_config, name="predictor-supervisor", on_give_up=self._on_give_up)
-        config = {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": cfg.device, "predictor": cfg.predictor,
+        config = {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": self.placement.verifier_devices[0],
+                  "predictor": cfg.predictor,
                   "num_threads": 1, "online": cfg.online_predictor}
         self.predictor = await self.runtime.spawn(
             LengthPredictorActor, config, name="length-predictor", process="child", supervisor=supervisor)
         return self.predictor
+
+    def _place_devices(self) -> DevicePlacement:
+        """Each rank's and speculator's device (:func:`~treeserve.server_devices.place_devices`);
+        with nodes, every actor keeps the configured device (each host resolves its own)."""
+        cfg = self.config
+        if cfg.device == "cpu" or cfg.num_nodes:
+            return DevicePlacement((cfg.device,) * cfg.tp, (cfg.device,) * cfg.num_speculator_actors)
+        return place_devices(cfg.device, cfg.tp, cfg.num_speculator_actors, count_gpus())
 
     async def _spawn_shard(self, shard: dict[str, Any], supervisor: Any, agents: list[ActorRef]) -> ActorRef:
         """Rank 0 (and every rank without nodes) runs as a child here; other ranks on nodes."""

@@ -9,11 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from treeserve.actors.gateway_http_config import HttpConfig
+from treeserve.actors.model_host import check_device
 from treeserve.actors.policy import POLICY_NAMES
 from treeserve.actors.scheduler import SchedulerConfig
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators
-from treeserve.ops.formats import FORMAT_NAMES
+from treeserve.ops.formats import FORMAT_NAMES, WeightFormat
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
+
+
+CPU_ONLY_FORMATS = (WeightFormat.INT8.value, WeightFormat.Q4_1.value)
+"""Formats whose kernels are CPU ones (``ops/formats.py`` refuses them on CUDA at load; the
+config refuses them before any process starts)."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,9 @@ class ServerConfig:
     gateway, only the HTTP API). ``http``: ``HOST:PORT`` of the OpenAI-compatible HTTP API
     (None: none; port 0 picks a free one); it needs ``api_key`` (bearer token) unless ``HOST``
     is loopback, and serves the model as ``served_model_name`` (None: ``model``). ``tp``: tensor
-    parallel verifier ranks. ``num_rows``: concurrent requests (KV-cache rows);
+    parallel verifier ranks. ``device``: ``cpu``, or ``cuda[:N]``: rank ``r`` on GPU ``N + r``, the
+    speculator actors on the GPUs no rank holds first (:func:`~treeserve.server_devices.place_devices`;
+    more ranks than GPUs fail at start). ``num_rows``: concurrent requests (KV-cache rows);
     ``row_capacity``: tokens per row (prompt + max_tokens + one token tree must fit).
     ``speculators``: the speculators every speculator actor runs, in order, as config entries
     (:meth:`~treeserve.actors.speculator_factory.SpeculatorSpec.from_wire`; validated here);
@@ -115,6 +123,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in FORMAT_NAMES:
             raise ValueError(f"dtype (the weight format) must be one of {', '.join(FORMAT_NAMES)}, got {self.dtype!r}")
+        check_device(self.device)
+        if self.device != "cpu" and self.dtype in CPU_ONLY_FORMATS:
+            raise ValueError(f"the {self.dtype} format has CPU kernels only; on {self.device} use float32 or bfloat16 "
+                             f"(auto is bfloat16 there)")
         if self.scheduler not in POLICY_NAMES:
             raise ValueError(f"scheduler must be one of {POLICY_NAMES}, got {self.scheduler!r}")
         if self.speculators is not None:
