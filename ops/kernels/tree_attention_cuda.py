@@ -62,6 +62,9 @@ against its work."""
 KERNEL_SOURCE = r"""
 #define ROWS 16
 #define KEYS 32
+#ifndef INFINITY  // NVRTC includes no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 
 // Raw 16-bit float bits to float32, without cuda_bf16.h / cuda_fp16.h (NVRTC and the CPU shim
 // compile the same lines).
@@ -393,31 +396,31 @@ def _cupy_kernels(device_index: int) -> dict[str, Any]:
     """The compiled kernels on one device (CuPy also caches the binary on disk)."""
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=KERNEL_SOURCE, options=("--std=c++14",))
+    with cupy.cuda.Device(device_index):  # compiled by NVRTC on first use, per device
+        module = cupy.RawModule(code=KERNEL_SOURCE)
         return {name: module.get_function(name) for name in KERNEL_NAMES}
 
 
+@functools.lru_cache(maxsize=None)
 def _cupy_launch(device: torch.device) -> Launch:
+    """The CuPy launcher of one device (kept: the model calls it once per layer)."""
     import cupy
+    import numpy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     kernels = _cupy_kernels(index)
-
-    def pointer(tensor: Tensor) -> Any:
-        size = max(1, tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size())
-        memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), size, tensor, index)
-        return cupy.ndarray((size,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-
-    converters = {PTR: pointer, I32: cupy.int32, I64: cupy.int64, F32: cupy.float32}
+    # A pointer parameter is 8 bytes passed by value: CuPy packs a uint64 scalar as exactly
+    # that, with none of the per-call cost of wrapping torch's memory in a cupy array.
+    converters = {PTR: lambda tensor: numpy.uint64(tensor.data_ptr()), I32: numpy.int32, I64: numpy.int64,
+                  F32: numpy.float32}
 
     def launch(name: str, grid: tuple[int, int, int], threads: int, shared_bytes: int,
                args: Sequence[tuple[str, Any]]) -> None:
         kernel = kernels[name]
-        if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared_bytes  # opt in above the default 48 KiB
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with cupy.cuda.Device(index), stream:
+            if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+                kernel.max_dynamic_shared_size_bytes = shared_bytes  # opt in above the default 48 KiB
             kernel(grid, (threads,), tuple(converters[kind](value) for kind, value in args), shared_mem=shared_bytes)
 
     return launch
