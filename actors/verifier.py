@@ -159,7 +159,7 @@ class VerifierShard(Actor):
 
     def _shard_and_allocate(self, model: Transformer, source: Path, capacity: int) -> None:
         cfg = self.config
-        if cfg.device.startswith("cuda"):
+        if cfg.device.startswith("cuda:"):  # a bare "cuda" is the current device (NCCL binds to it)
             torch.cuda.set_device(torch.device(cfg.device))
         backend = process_group_backend(cfg.device, cfg.tp_size)
         if backend is not None:
@@ -367,7 +367,8 @@ def _warm_up(model: Transformer, cache: KVCache) -> None:
             (result,) = verify_rows(model, cache, [RowStep(0, TokenTree.root_only(root), SamplingParams())])
             root = result.bonus_token
         if cache.device.type == "cuda":  # a tree step: CuPy compiles the tree kernel (or loads it) now
-            verify_rows(model, cache, [RowStep(0, TokenTree.from_parents([-1, 0, 0], [root] * 3), SamplingParams())])
+            siblings = [root, root, (root + 1) % model.config.vocab_size]
+            verify_rows(model, cache, [RowStep(0, TokenTree.from_parents([-1, 0, 0], siblings), SamplingParams())])
     finally:
         _zero_row(cache, 0)
 

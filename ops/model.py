@@ -188,7 +188,9 @@ class Transformer(nn.Module):
     New token ``t`` attends to the committed slots and to new token ``s`` iff
     ``tree_mask[b, t, s]`` (``None``: causal). ``positions`` default to ``lengths[b] + t``; for a
     token tree pass ``lengths[b] + depth`` (roots have depth 0). Runs under
-    ``torch.inference_mode`` (inference only; the cache is updated in place).
+    ``torch.inference_mode`` (inference only; the cache is updated in place). On CUDA a tree's
+    attention runs the CuPy tree kernel on ancestor words (no dense mask is built); chains,
+    plain decode and CPU devices run SDPA (:func:`~treeserve.ops.tree_attention.uses_tree_kernel`).
     """
 
     rope_cos: Tensor  # (max_seq_len, hd) float32 buffers, not saved in state dicts
