@@ -23,6 +23,7 @@ decode everywhere, torch's SDPA runs under the mask of :func:`build_attention_ma
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -107,7 +108,13 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, tree
 
 def is_cuda_kernel_available() -> bool:
     """True when CUDA is usable by torch and the ``cupy`` package is installed (no import done)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+    return torch.cuda.is_available() and _is_cupy_installed()
+
+
+@functools.lru_cache(maxsize=1)
+def _is_cupy_installed() -> bool:
+    # Asked once per forward on CUDA: a path search each time would cost more than the answer.
+    return importlib.util.find_spec("cupy") is not None
 
 
 MAX_TREE_NODES = 64
