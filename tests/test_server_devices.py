@@ -65,6 +65,17 @@ async def test_server_start_fails_before_spawning_with_too_few_gpus() -> None:
     assert server.verifiers == [] and server.speculators == []
 
 
+def test_server_places_ranks_and_speculators_by_the_gpus_it_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    import treeserve.server as server_module
+
+    monkeypatch.setattr(server_module, "count_gpus", lambda: 2)
+    placement = Server(ServerConfig(device="cuda", num_speculator_actors=2))._place_devices()
+    assert placement.verifier_devices == ("cuda:0",) and placement.speculator_devices == ("cuda:1", "cuda:0")
+    on_nodes = Server(ServerConfig(device="cuda", tp=3, num_nodes=1))._place_devices()
+    assert on_nodes.verifier_devices == ("cuda",) * 3  # each node resolves its own
+    assert Server(ServerConfig(tp=2))._place_devices().verifier_devices == ("cpu", "cpu")
+
+
 def test_every_cuda_shard_joins_nccl() -> None:
     assert process_group_backend("cuda:0", 1) == "nccl"  # one GPU: NCCL's path, world size 1
     assert process_group_backend("cuda:1", 2) == "nccl"
