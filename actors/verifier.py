@@ -167,10 +167,12 @@ class VerifierShard(Actor):
 
             from treeserve.ops.tp import apply_tp, distributed_all_reduce
 
+            # World size 1 (a lone CUDA shard) has no peers to meet: an in-process store.
+            store = dist.HashStore() if cfg.dist_init is None else None  # type: ignore[attr-defined]
             dist.init_process_group(
                 backend,
                 init_method=cfg.dist_init,
-                store=dist.HashStore() if cfg.dist_init is None else None,  # type: ignore[attr-defined]  # world size 1: no peers
+                store=store,
                 rank=cfg.tp_rank,
                 world_size=cfg.tp_size,
                 timeout=timedelta(seconds=cfg.dist_timeout_s),

@@ -579,16 +579,23 @@ def main(argv: list[str] | None = None) -> int:
         report.step("pytest", lambda: run_gpu_tests(report))
     import tempfile
 
-    kernel = kernel_for(device, Path(tempfile.mkdtemp(prefix="gpu-check-shim-"))) if steps & {"kernel_accuracy", "kernel_timing", "greedy_exactness",
-                                                                 "model_timing"} else None
+    uses_kernel = steps & {"kernel_accuracy", "kernel_timing", "greedy_exactness", "model_timing"}
+    kernel = kernel_for(device, Path(tempfile.mkdtemp(prefix="gpu-check-shim-"))) if uses_kernel else None
     if "kernel_accuracy" in steps:
         report.step("kernel_accuracy", lambda: kernel_accuracy(device, kernel, small))
     if "kernel_timing" in steps:
         report.step("kernel_timing", lambda: kernel_timing(device, kernel, small))
+    chosen: dict[str, str] = {}
+
+    def choose_model() -> dict[str, Any]:
+        chosen["name"], chosen["what"] = resolve_model(args, report)
+        report.data["model"] = dict(chosen)
+        return {"ok": True, **chosen}
+
     if steps & {"greedy_exactness", "model_timing", "generate"}:
-        model_name, what = resolve_model(args, report)
-        report.data["model"] = {"name": model_name, "what": what}
-        report.log(f"model: {model_name} ({what})")
+        report.step("model", choose_model)
+    if chosen:
+        model_name = chosen["name"]
         if "greedy_exactness" in steps:
             report.step("greedy_exactness", lambda: greedy_exactness(model_name, args, device, kernel))
         if "model_timing" in steps:

@@ -4,8 +4,9 @@ driven by the kernel's own host code (:func:`run_tree_attention`: plan, strides,
 combine). Results must match a float64 reference on random trees (chains, wide, deep, 64
 nodes), GQA, batches with different prefixes, several splits and block sizes, and float32,
 bfloat16 and float16 inputs. The CPU twin (:func:`tree_attention_from_bits` on CPU) runs the
-same cases, and so does the real kernel on CUDA (marked ``gpu``). Broken variants of the source (mask ignored, no online-softmax rescale, a combine
-without the splits' weights) must fail the same comparison. Skips without g++ (C++20).
+same cases, and so does the real kernel on CUDA (marked ``gpu``). Broken variants of the
+source (mask ignored, no online-softmax rescale, a combine without the splits' weights) must
+fail the same comparison. Skips without g++ (C++20).
 """
 
 from __future__ import annotations
