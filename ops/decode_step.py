@@ -238,9 +238,10 @@ class DecodeStep:
             raise ValueError("the cache does not belong to this decode step's model")
         batch, num_new = tokens.shape
         if positions is None:
-            positions = cache.lengths[:, None] + torch.arange(num_new)
+            positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)
         if tree_mask is None:  # a chain: each new token sees itself and the ones before it
-            tree_mask = torch.ones(num_new, num_new, dtype=torch.bool).tril().expand(batch, -1, -1)
+            chain = torch.ones(num_new, num_new, dtype=torch.bool, device=tokens.device).tril()
+            tree_mask = chain.expand(batch, -1, -1)
         lengths = cache.begin_write(num_new)
         num_slots = torch.empty(max(lengths) + num_new, dtype=torch.bool)  # only its length is read
         fn = self._compiled if self._compiled is not None else step_hidden
