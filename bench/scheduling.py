@@ -353,19 +353,32 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
 
     if oracle is not None:  # the SJF oracle: ssjf over a lookup table of true lengths, no aging
         return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
-                            dtype=args.format, scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
+                            dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
+                            verifier_threads=args.verifier_threads, scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
                             online_predictor=False, speculators=() if args.speculate == Speculate.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
-                        dtype=args.format, scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
+                        dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
+                        verifier_threads=args.verifier_threads, scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == Speculate.NONE else None)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
-                 oracle: Path | None = None) -> list[JobResult]:
+                 oracle: Path | None = None, *, num_tries: int = 2) -> list[JobResult]:
     """Replay ``trace`` against a fresh embedded server running ``policy`` (results in trace order);
-    with ``oracle`` (a lookup predictor file) the server runs the SJF oracle instead."""
-    return await _replay(args, trace, policy, oracle)
+    with ``oracle`` (a lookup predictor file) the server runs the SJF oracle instead. A run that
+    fails (a child declared dead on a loaded machine) is logged and run again on a fresh server,
+    up to ``num_tries`` runs in all."""
+    from treeserve.client_errors import UnavailableError
+
+    for attempt in range(1, num_tries + 1):
+        try:
+            return await _replay(args, trace, policy, oracle)
+        except UnavailableError as exc:
+            if attempt == num_tries:
+                raise
+            _log(f"{policy}: run {attempt} failed ({exc}); running it again on a fresh server")
+    raise AssertionError("unreachable")
 
 
 async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
@@ -606,6 +619,10 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
             runs[label].append({"policies": per_policy, "rate_req_per_s": None if load is None else load * capacity,
                                 "jobs": {p: [asdict(r) for r in rs] for p, rs in results.items()}})
             _log(f"round {repeat + 1}, {label}\n" + _table(per_policy))
+        if args.partial_json is not None:  # every finished round, so a stopped run keeps its data
+            args.partial_json.parent.mkdir(parents=True, exist_ok=True)
+            args.partial_json.write_text(json.dumps({"capacity_req_per_s": capacity, "true_lengths": lengths,
+                                                     "num_rounds": repeat + 1, "runs": runs}), encoding="utf-8")
         if args.plot is not None:  # rewritten after every round, so a later failure keeps the plot
             curves = {label: {p: [j["finished_s"] - j["arrival_s"] for run in runs[label] for j in run["jobs"][p]]
                               for p in args.policy} for label in labels if runs[label]}
@@ -722,6 +739,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", default="float32", choices=["q4_1", "int8", "bfloat16", "float32"],
                         help="the served weight format (ServerConfig.dtype; float32 is its default, q4_1 the CLI's "
                              "and about 4x faster here, its compiled step loaded from the cache)")
+    parser.add_argument("--partial-json", type=Path, default=None,
+                        help="known-load mode: rewrite every finished round's runs here (JSON)")
+    parser.add_argument("--verifier-threads", type=int, default=None,
+                        help="torch threads of the verifier (default: the server's, this host's cores); 1 keeps a "
+                             "step from stalling when another process takes a core (a 2-thread step ran many "
+                             "times slower on this shared 2-core machine)")
+    parser.add_argument("--heartbeat-s", type=float, default=2.0,
+                        help="the server's heartbeat interval (its default 0.5 s declared a verifier dead on a "
+                             "machine loaded by other work; this only delays the detection of a hung child)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="known-load mode: run every row and policy this many times, interleaved (repeat r "
                              "runs each row's policies in an order rotated by r); tables show medians")
