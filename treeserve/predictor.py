@@ -401,11 +401,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " ".join(str(p) for p in DEFAULT_DATA) + ", those that exist)")
     parser.add_argument("--prompts-dir", type=Path, default=Path("bench/data"),
                         help="folder with the <dataset>.jsonl prompt files (fetch.py, synthetic.py)")
-    parser.add_argument("--features", default="hidden@4",
+    parser.add_argument("--features", default="hidden@12",
                         help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
     parser.add_argument("--head", default="rank", choices=HEADS,
                         help="rank: pairwise ranking loss on top of ridge; ridge: regression on log length")
-    parser.add_argument("--compare", nargs="*", default=["prompt_len", "tokens@1024"],
+    parser.add_argument("--compare", nargs="*", default=["hidden@4", "hidden@8", "prompt_len", "tokens@1024"],
                         help="other feature specs to report on the held-out prompts")
     parser.add_argument("--cross-validate", action="store_true",
                         help="report k-fold cross-validation over all prompts instead of the held-out test split "
