@@ -12,21 +12,27 @@ set (``python bench/data/synthetic.py``, written here when missing), pooled and 
 ``--seed``; they are answered in that order, so stopping early (``--time-budget-s``, or a
 kill) keeps a uniform random subset, not a short-output-biased one.
 
+The model is served as the CLI serves it: ``--format q4_1`` (the default) puts the weights in
+the 4-bit format and runs every decode step through the compiled batched step
+(``ops/decode_step.py``), about 4x float32's speed here at 64 rows; ``--dtype`` keeps the
+first runs' plain eager float32 / bfloat16 weights.
+
 Output is written as each answer ends, so a run is resumable: a rerun with the same flags
 skips every ``(dataset, id)`` already in the output files. Two CSVs: ``--out`` (default
-``bench/data/predictor_lengths_256.csv``, committed) for every set but AlpacaEval, and
-``--out-noncommercial`` (default ``bench/out/predictor_lengths_256_alpacaeval.csv``, ignored
-by git) for AlpacaEval's rows, whose data is CC BY-NC. Their ``#`` header lines record the
+``bench/data/predictor_lengths_<max_tokens>_<format>.csv``, committed) for every set but
+AlpacaEval, and ``--out-noncommercial`` (default
+``bench/out/predictor_lengths_<max_tokens>_<format>_alpacaeval.csv``, ignored by git) for
+AlpacaEval's rows, whose data is CC BY-NC. Their ``#`` header lines record the
 provenance (script, model and its GGUF sha256, parameters, date, git commit); the rows are
 ``dataset,id,prompt_sha256,num_prompt_tokens,num_output_tokens,is_capped``. No prompt text is
 stored: :func:`treeserve.predictor.load_length_data` joins the rows back to the prompt files by
 ``(dataset, id)`` and checks ``prompt_sha256``.
 
-Usage (about an hour on 2 shared cores for the shipped data)::
+Usage (the shipped 512-token data; ``bench/data/README.md`` gives the times)::
 
     python bench/data/fetch.py mtbench humaneval gsm8k arenahard alpacaeval
-    nice -n 10 python bench/predictor_data.py --shard 0/2 &
-    sleep 60; nice -n 10 python bench/predictor_data.py --shard 1/2
+    nice -n 19 python bench/predictor_data.py --sets mtbench humaneval gsm8k arenahard alpacaeval --shard 0/2 &
+    sleep 20; nice -n 19 python bench/predictor_data.py --sets mtbench humaneval gsm8k arenahard alpacaeval --shard 1/2
 """
 
 from __future__ import annotations
@@ -225,19 +231,22 @@ class RowWriter:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), help="prompt sets (bench/data/<name>.jsonl)")
-    parser.add_argument("--out", type=Path, default=DATA_DIR / "predictor_lengths_256.csv")
-    parser.add_argument("--out-noncommercial", type=Path,
-                        default=DATA_DIR.parent / "out" / "predictor_lengths_256_alpacaeval.csv",
-                        help=f"where rows of {'/'.join(NONCOMMERCIAL_SETS)} go (never a committed file)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="output cap (capped rows are flagged)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/data/predictor_lengths_<max-tokens>_<format>.csv")
+    parser.add_argument("--out-noncommercial", type=Path, default=None,
+                        help=f"where rows of {'/'.join(NONCOMMERCIAL_SETS)} go (never a committed file; default: "
+                             "bench/out/predictor_lengths_<max-tokens>_<format>_alpacaeval.csv)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="output cap (capped rows are flagged)")
     parser.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer (chat-templated) prompts")
-    parser.add_argument("--batch", type=int, default=32, help="KV-cache rows decoded together")
+    parser.add_argument("--batch", type=int, default=64, help="KV-cache rows decoded together")
     parser.add_argument("--limit", type=int, default=0, help="answer at most this many prompts (0: all)")
     parser.add_argument("--time-budget-s", type=float, default=1e9, help="start no prompt after this")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed of the pooled prompts")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights dtype (the server's default is float32; bfloat16 decoded batches 2x faster here, "
-                             "its greedy answers can differ after a while)")
+    parser.add_argument("--format", default="q4_1", choices=["q4_1", "int8", "bfloat16", "float32"],
+                        help="weight format (ops/formats.py; q4_1, the CLI's default serving format, runs batches "
+                             "through the compiled decode step; float32 is the exact reference)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="deprecated: plain eager weights in this dtype instead of --format (the first runs)")
     parser.add_argument("--skip-recorded", type=Path, nargs="*", default=[],
                         help="also skip prompts recorded in these CSVs (e.g. a run in another dtype)")
     parser.add_argument("--threads", type=int, default=1,
@@ -250,8 +259,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (shard.isdigit() and num_shards.isdigit() and int(shard) < int(num_shards)):
         parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
     torch.set_num_threads(args.threads)
+    weights = args.dtype if args.dtype is not None else args.format
+    if args.out is None:
+        args.out = DATA_DIR / f"predictor_lengths_{args.max_tokens}_{weights}.csv"
+    if args.out_noncommercial is None:
+        args.out_noncommercial = DATA_DIR.parent / "out" / f"predictor_lengths_{args.max_tokens}_{weights}_alpacaeval.csv"
 
-    loaded = load_model(DEFAULT_MODEL, dtype=getattr(torch, args.dtype))
+    if args.dtype is not None:
+        loaded = load_model(DEFAULT_MODEL, dtype=getattr(torch, args.dtype))
+    else:
+        loaded = load_model(DEFAULT_MODEL, weight_format=args.format)
     tokenizer = loaded.tokenizer
     jobs = load_jobs(args.sets, tokenizer, args.max_prompt_tokens, args.seed)
     if args.limit:
@@ -271,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": DEFAULT_MODEL,
         "model_gguf_sha256": REGISTRY[DEFAULT_MODEL].gguf_sha256,
         "model_wheel": REGISTRY[DEFAULT_MODEL].wheel_requirement,
-        "decoding": f"greedy (temperature 0), {args.dtype}, chat template with one user turn, stop at tokenizer stop ids",
+        "decoding": f"greedy (temperature 0), {weights}, chat template with one user turn, stop at tokenizer stop ids",
         "max_tokens": args.max_tokens,
         "max_prompt_tokens": args.max_prompt_tokens,
         "sets": list(args.sets),

@@ -1,6 +1,7 @@
 """Scheduling benchmark: FCFS vs SSJF (and the SJF oracle, HRRN) on a real server or a simulator.
 
-Real run: replays a trace (JSON lines ``{"arrival_s", "prompt" | "messages", "max_tokens"}``)
+Real run: replays a trace (JSON lines ``{"arrival_s", "prompt" | "messages", "max_tokens"}``, or a
+``"source"`` and ``"prompt_sha256"`` resolved from the fetched prompt sets: :func:`read_trace`)
 against an embedded :class:`treeserve.Server` once per ``--policy`` (each policy gets a fresh
 server), sending each request at its ``arrival_s`` and timing it from that moment (JCT) until
 the last token. Under ``ssjf``/``hrrn`` the server's length-predictor actor predicts each
@@ -25,7 +26,8 @@ replayed on a real server, first all at once (the *burst*) under FCFS. That firs
 every request's true length (greedy decoding is deterministic) and the server's capacity:
 requests/s while every row is busy, ``N / makespan`` of the burst. Each later row replays the
 same requests (in a seeded shuffled order) as Poisson arrivals at ``load x capacity`` req/s.
-Every row runs ``--policy`` side by side (default fcfs, ssjf, hrrn and the SJF oracle); the
+Every row runs ``--policy`` side by side (default fcfs, ssjf, hrrn and the SJF oracle), ``--repeats``
+times, interleaved (:func:`run_known_loads`; the tables show medians); the
 oracle is the server's ``ssjf`` with a ``lookup`` predictor of the first pass's true lengths
 and no aging (``treeserve.ops.length_predictor.lookup_predictor``). Each row reports mean / p50 /
 p99 JCT, mean and max wait, throughput, the ratios to FCFS and the share of the oracle's mean
@@ -33,8 +35,8 @@ JCT gain that ssjf and hrrn reach; ``--plot`` writes one JCT CDF per row and pol
 
 Usage::
 
-    python bench/scheduling.py --make-trace bench/data/trace_ssjf.jsonl --num-jobs 32
-    python bench/scheduling.py --trace bench/data/trace_ssjf.jsonl --burst --at-load 1.3 1.0 0.8 \
+    python bench/scheduling.py --make-trace bench/data/trace_chat512.jsonl --num-jobs 40 --trace-rate 0.2 --seed 1
+    python bench/scheduling.py --burst --at-load 1.3 0.8 --repeats 3 --format q4_1 \
         --speculate none --plot bench/out/scheduling_cdf.png --json
     python bench/scheduling.py --trace bench/data/trace_small.jsonl --policy fcfs ssjf --json
     python bench/scheduling.py --calibrate --latency-model bench/out/latency.json
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import hashlib
 import json
 import math
 import sys
@@ -298,13 +301,47 @@ def read_jobs_csv(path: Path, max_tokens: int) -> list[SimJob]:
 
 
 # ---------------------------------------------------------------------------------- real server
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    """A trace file: one ``{"arrival_s", "prompt" | "messages", "max_tokens"}`` object per line."""
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def read_trace(path: Path, *, resolve: bool = True, data_dir: Path = DATA_DIR) -> list[dict[str, Any]]:
+    """A trace file: one ``{"arrival_s", "prompt" | "messages", "max_tokens"}`` object per line,
+    sorted by arrival.
+
+    An entry may instead name its prompt by ``"source": "<set>/<id>"`` with its
+    ``"prompt_sha256"`` and no text (prompts whose text must not be committed: Arena-Hard,
+    AlpacaEval). With ``resolve`` those are filled in from ``<data_dir>/<set>.jsonl``
+    (``python bench/data/fetch.py``) as one-turn chat ``messages``, each checked against its hash.
+    """
     entries = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     for n, e in enumerate(entries):
-        if "arrival_s" not in e or ("prompt" in e) == ("messages" in e) or "max_tokens" not in e:
-            raise ValueError(f"{path}:{n + 1}: needs arrival_s, max_tokens and one of prompt/messages")
+        is_reference = "prompt" not in e and "messages" not in e and "prompt_sha256" in e and "source" in e
+        if "arrival_s" not in e or "max_tokens" not in e or (("prompt" in e) == ("messages" in e) and not is_reference):
+            raise ValueError(f"{path}:{n + 1}: needs arrival_s, max_tokens and one of prompt/messages "
+                             f"(or source and prompt_sha256)")
+    if resolve:
+        entries = [resolve_prompt(e, data_dir) for e in entries]
     return sorted(entries, key=lambda e: float(e["arrival_s"]))
+
+
+def resolve_prompt(entry: dict[str, Any], data_dir: Path = DATA_DIR) -> dict[str, Any]:
+    """``entry`` with ``messages`` filled in from its ``source`` when it carries no text (see
+    :func:`read_trace`); an entry with text comes back unchanged."""
+    if "prompt" in entry or "messages" in entry:
+        return entry
+    dataset, _, prompt_id = str(entry["source"]).partition("/")
+    path = data_dir / f"{dataset}.jsonl"
+    if not path.exists():
+        raise ValueError(f"the trace names {entry['source']}, but {path} is missing: "
+                         f"run python bench/data/fetch.py {dataset}")
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if line.strip():
+            record = json.loads(line)
+            if str(record["id"]) == prompt_id:
+                if hashlib.sha256(record["prompt"].encode("utf-8")).hexdigest() != entry["prompt_sha256"]:
+                    raise ValueError(f"{entry['source']} in {path} differs from the prompt the trace recorded")
+                return {**entry, "messages": [{"role": "user", "content": record["prompt"]}]}
+    raise ValueError(f"{entry['source']} is not in {path}")
 
 
 ORACLE_MAX_WAIT_S = 1e9
@@ -316,19 +353,32 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
 
     if oracle is not None:  # the SJF oracle: ssjf over a lookup table of true lengths, no aging
         return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
-                            scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
+                            dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
+                            verifier_threads=args.verifier_threads, scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
                             online_predictor=False, speculators=() if args.speculate == Speculate.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
-                        scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
+                        dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
+                        verifier_threads=args.verifier_threads, scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == Speculate.NONE else None)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
-                 oracle: Path | None = None) -> list[JobResult]:
+                 oracle: Path | None = None, *, num_tries: int = 2) -> list[JobResult]:
     """Replay ``trace`` against a fresh embedded server running ``policy`` (results in trace order);
-    with ``oracle`` (a lookup predictor file) the server runs the SJF oracle instead."""
-    return await _replay(args, trace, policy, oracle)
+    with ``oracle`` (a lookup predictor file) the server runs the SJF oracle instead. A run that
+    fails (a child declared dead on a loaded machine) is logged and run again on a fresh server,
+    up to ``num_tries`` runs in all."""
+    from treeserve.client_errors import UnavailableError
+
+    for attempt in range(1, num_tries + 1):
+        try:
+            return await _replay(args, trace, policy, oracle)
+        except UnavailableError as exc:
+            if attempt == num_tries:
+                raise
+            _log(f"{policy}: run {attempt} failed ({exc}); running it again on a fresh server")
+    raise AssertionError("unreachable")
 
 
 async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
@@ -396,31 +446,60 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 TRACE_SETS = ("mtbench", "humaneval", "gsm8k")
-"""The sets a committed trace draws from: MIT / Apache-2.0 prompts (``bench/data/fetch.py``)."""
+"""Sets whose prompt text a committed trace may carry: MIT / Apache-2.0 (``bench/data/fetch.py``)."""
+REFERENCE_SETS = ("arenahard", "alpacaeval")
+"""Sets a committed trace names only by id and hash (AlpacaEval is CC BY-NC; Arena-Hard's prompts
+come from Chatbot Arena users, whose terms are upstream's): resolved from the fetched files."""
+CHAT_TRACE_SETS = ("mtbench", "arenahard", "alpacaeval", "humaneval", "gsm8k")
+"""The default trace mix: chat prompts of real users (Arena-Hard, AlpacaEval), MT-Bench's
+multi-category questions, code (HumanEval) and math (GSM8K)."""
 
 
 def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0,
-               sets: Sequence[str] = TRACE_SETS) -> list[dict[str, Any]]:
-    """``num`` prompts drawn at random from the held-out test split
-    (``treeserve.predictor.is_test_prompt``) of ``sets``, as one-turn chat ``messages``, with
-    bursty Gamma arrivals (mean ``rate``/s, CV ``cv``). The predictor never trained on them."""
+               sets: Sequence[str] = CHAT_TRACE_SETS, max_prompt_tokens: int = 384,
+               tokenizer: Any = None) -> list[dict[str, Any]]:
+    """``num`` prompts from the held-out test split (``treeserve.predictor.is_test_prompt``) of
+    ``sets``, as one-turn chat ``messages``, with bursty Gamma arrivals (mean ``rate``/s, CV
+    ``cv``). The predictor never trained on them. The sets share ``num`` as evenly as their test
+    splits allow (seeded random picks within each), and with ``tokenizer`` prompts longer than
+    ``max_prompt_tokens`` chat-templated are skipped (as ``bench/predictor_data.py`` skips them).
+    Prompts of :data:`REFERENCE_SETS` are written by source and hash only (:func:`read_trace`)."""
     from treeserve.predictor import is_test_prompt
 
-    pool = []
+    rng = np.random.default_rng(seed)
+    pools: dict[str, list[tuple[str, str]]] = {}
     for name in sets:
-        path = Path(__file__).parent / "data" / f"{name}.jsonl"
-        for line in path.read_text(encoding="utf-8").split("\n"):
+        pools[name] = []
+        for line in (DATA_DIR / f"{name}.jsonl").read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 record = json.loads(line)
-                if is_test_prompt(name, str(record["id"])):
-                    pool.append((f"{name}/{record['id']}", record["prompt"]))
-    if num > len(pool):
-        raise ValueError(f"the test split of {', '.join(sets)} holds {len(pool)} prompts, not {num}")
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(len(pool), size=num, replace=False)
+                if not is_test_prompt(name, str(record["id"])):
+                    continue
+                messages = [{"role": "user", "content": record["prompt"]}]
+                if tokenizer is not None and len(tokenizer.encode_chat(messages)) > max_prompt_tokens:
+                    continue
+                pools[name].append((f"{name}/{record['id']}", record["prompt"]))
+        rng.shuffle(pools[name])  # type: ignore[arg-type]
+    if num > sum(len(p) for p in pools.values()):
+        raise ValueError(f"the test split of {', '.join(sets)} holds {sum(len(p) for p in pools.values())} prompts, "
+                         f"not {num}")
+    share = {name: 0 for name in sets}
+    while sum(share.values()) < num:  # round robin over the sets that still have prompts
+        for name in sets:
+            if sum(share.values()) < num and share[name] < len(pools[name]):
+                share[name] += 1
+    picked = [pools[name][i] for name in sets for i in range(share[name])]
+    picked = [picked[i] for i in rng.permutation(len(picked))]
     times = arrivals("gamma", rate, num, rng, cv=cv)
-    return [{"arrival_s": round(float(t), 3), "messages": [{"role": "user", "content": pool[p][1]}],
-             "max_tokens": max_tokens, "source": pool[p][0]} for p, t in zip(picks, times)]
+    out = []
+    for (source, prompt), t in zip(picked, times):
+        entry: dict[str, Any] = {"arrival_s": round(float(t), 3), "max_tokens": max_tokens, "source": source}
+        if source.split("/")[0] in REFERENCE_SETS:
+            entry["prompt_sha256"] = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+        else:
+            entry["messages"] = [{"role": "user", "content": prompt}]
+        out.append(entry)
+    return out
 
 
 # ---------------------------------------------------------------------------------- known load
@@ -475,11 +554,37 @@ def write_oracle(args: argparse.Namespace, trace: Sequence[dict[str, Any]], leng
     lookup_predictor([ids(e) for e in trace], list(lengths), max(int(e["max_tokens"]) for e in trace)).save(path)
 
 
+def median_table(tables: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per policy and metric, the median over repeats (NaNs ignored; a metric that is NaN in
+    every repeat stays NaN). Ratios are medians of each repeat's own ratio (a paired comparison),
+    not ratios of medians."""
+    out: dict[str, dict[str, float]] = {}
+    for name in tables[0]:
+        keys = tables[0][name].keys()
+        out[name] = {}
+        for key in keys:
+            values = np.array([t[name][key] for t in tables if name in t and key in t[name]], dtype=np.float64)
+            finite = values[~np.isnan(values)]
+            out[name][key] = float(np.median(finite)) if finite.size else math.nan
+        out[name]["num_repeats"] = float(len(tables))
+    return out
+
+
+def rotated(policies: Sequence[str], repeat: int) -> list[str]:
+    """``policies`` rotated left by ``repeat``: each repeat runs a row's policies in another order,
+    so that a slow or fast stretch of a shared machine does not always hit the same policy."""
+    k = repeat % max(1, len(policies))
+    return [*policies[k:], *policies[:k]]
+
+
 def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The burst first pass (FCFS: true lengths and capacity), then every row of ``--at-load``
-    and ``--burst`` with every ``--policy`` (see the module docstring)."""
-    rows: list[dict[str, Any]] = []
-    curves: dict[str, dict[str, list[float]]] = {}
+    """The burst first pass (FCFS: true lengths and capacity), then ``--repeats`` rounds of every
+    row of ``--burst`` and ``--at-load`` with every ``--policy`` (see the module docstring).
+
+    Repeats are interleaved (round r runs every row once, each row's policies rotated by r) and
+    each round draws fresh Poisson arrivals (seed ``--seed + r``, the same for every policy of
+    the round). The first pass is round 0's FCFS burst. Each row reports the median over rounds
+    of every metric and of every round's own ratios to FCFS and share of the oracle's gain."""
     _log(f"first pass: {len(trace)} requests at once under fcfs")
     first = asyncio.run(replay(args, burst_of(trace), PolicyName.FCFS.value))
     lengths = [r.num_tokens for r in first]
@@ -489,32 +594,55 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
     oracle_path.parent.mkdir(parents=True, exist_ok=True)
     write_oracle(args, trace, lengths, oracle_path)
     labels = (["burst"] if args.burst else []) + [f"load {x:g}" for x in args.at_load]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for repeat in range(args.repeats):
+        for label in labels:
+            load = None if label == "burst" else float(label.split()[1])
+            entries = burst_of(trace) if load is None else at_rate(trace, load * capacity, args.seed + repeat)
+            results: dict[str, list[JobResult]] = {}
+            for policy in rotated(args.policy, repeat):
+                if load is None and policy == PolicyName.FCFS.value and repeat == 0:
+                    results[policy] = first  # the first pass is round 0's FCFS burst
+                    continue
+                _log(f"round {repeat + 1}/{args.repeats}, {label}: {policy} (load average {_loadavg()})")
+                results[policy] = asyncio.run(replay(args, entries, policy,
+                                                     oracle_path if policy == SJF_ORACLE else None))
+                _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
+            results = {p: results[p] for p in args.policy}  # table order: as asked
+            per_policy = with_ratios({p: summarize(r) for p, r in results.items()})
+            if PolicyName.FCFS.value in per_policy and SJF_ORACLE in per_policy:
+                for name in per_policy:
+                    per_policy[name]["share_of_oracle_gain"] = oracle_gain_share(per_policy, name)
+            for name, rs in results.items():  # greedy decoding: every policy should see the first pass's lengths
+                per_policy[name]["num_length_mismatches"] = float(sum(
+                    r.num_tokens != lengths[int(e["trace_index"])] for r, e in zip(rs, entries)))
+            runs[label].append({"policies": per_policy, "rate_req_per_s": None if load is None else load * capacity,
+                                "jobs": {p: [asdict(r) for r in rs] for p, rs in results.items()}})
+            _log(f"round {repeat + 1}, {label}\n" + _table(per_policy))
+        if args.partial_json is not None:  # every finished round, so a stopped run keeps its data
+            args.partial_json.parent.mkdir(parents=True, exist_ok=True)
+            args.partial_json.write_text(json.dumps({"capacity_req_per_s": capacity, "true_lengths": lengths,
+                                                     "num_rounds": repeat + 1, "runs": runs}), encoding="utf-8")
+        if args.plot is not None:  # rewritten after every round, so a later failure keeps the plot
+            curves = {label: {p: [j["finished_s"] - j["arrival_s"] for run in runs[label] for j in run["jobs"][p]]
+                              for p in args.policy} for label in labels if runs[label]}
+            plot_cdf_rows(curves, args.plot, f"{args.trace.name}, {args.num_rows} rows, {args.format}, "
+                                             f"{repeat + 1} round(s) pooled")
+    rows = []
     for label in labels:
         load = None if label == "burst" else float(label.split()[1])
-        entries = burst_of(trace) if load is None else at_rate(trace, load * capacity, args.seed)
-        results: dict[str, list[JobResult]] = {}
-        for policy in args.policy:
-            if load is None and policy == PolicyName.FCFS.value:
-                results[policy] = first  # the first pass is this row's FCFS run
-                continue
-            _log(f"{label}: {policy}")
-            results[policy] = asyncio.run(replay(args, entries, policy, oracle_path if policy == SJF_ORACLE else None))
-            _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
-        per_policy = with_ratios({p: summarize(r) for p, r in results.items()})
-        if PolicyName.FCFS.value in per_policy and SJF_ORACLE in per_policy:
-            for name in per_policy:
-                per_policy[name]["share_of_oracle_gain"] = oracle_gain_share(per_policy, name)
-        for name, rs in results.items():  # greedy decoding: every policy should see the first pass's lengths
-            per_policy[name]["num_length_mismatches"] = float(sum(
-                r.num_tokens != lengths[int(e["trace_index"])] for r, e in zip(rs, entries)))
+        table = median_table([run["policies"] for run in runs[label]])
+        _log(f"{label}, median of {len(runs[label])} round(s)\n" + _table(table))
         rows.append({"row": label, "load": load, "rate_req_per_s": None if load is None else load * capacity,
-                     "policies": per_policy,
-                     "jobs": {p: [asdict(r) for r in rs] for p, rs in results.items()}})
-        curves[label] = {p: [r.jct_s for r in rs] for p, rs in results.items()}
-        _log(f"{label}\n" + _table(per_policy))
-        if args.plot is not None:  # rewritten after every row, so a later failure keeps the plot
-            plot_cdf_rows(curves, args.plot, f"{args.trace.name}, {args.num_rows} rows, max_tokens from the trace")
+                     "policies": table, "rounds": runs[label]})
     return {"capacity_req_per_s": capacity, "true_lengths": lengths, "rows": rows}
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text(encoding="utf-8").split(" ", 3)[0]
+    except OSError:
+        return "unknown"
 
 
 # ---------------------------------------------------------------------------------- output
@@ -592,7 +720,7 @@ def _load_latency(args: argparse.Namespace) -> LatencyModel:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
-    parser.add_argument("--trace", type=Path, default=Path(__file__).parent / "data" / "trace_ssjf.jsonl")
+    parser.add_argument("--trace", type=Path, default=DATA_DIR / "trace_chat512.jsonl")
     parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SJF_ORACLE],
                         help=f"default: fcfs ssjf (fcfs ssjf hrrn {SJF_ORACLE} with --burst / --at-load); "
                              f"{SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load or --simulate")
@@ -608,12 +736,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-wait-s", type=float, default=30.0,
                         help="SSJF/HRRN aging bound: the latest aging deadline after arrival (the server's default)")
     parser.add_argument("--speculate", default="tree", choices=[m.value for m in Speculate])
+    parser.add_argument("--format", default="float32", choices=["q4_1", "int8", "bfloat16", "float32"],
+                        help="the served weight format (ServerConfig.dtype; float32 is its default, q4_1 the CLI's "
+                             "and about 4x faster here, its compiled step loaded from the cache)")
+    parser.add_argument("--partial-json", type=Path, default=None,
+                        help="known-load mode: rewrite every finished round's runs here (JSON)")
+    parser.add_argument("--verifier-threads", type=int, default=None,
+                        help="torch threads of the verifier (default: the server's, this host's cores); 1 keeps a "
+                             "step from stalling when another process takes a core (a 2-thread step ran many "
+                             "times slower on this shared 2-core machine)")
+    parser.add_argument("--heartbeat-s", type=float, default=2.0,
+                        help="the server's heartbeat interval (its default 0.5 s declared a verifier dead on a "
+                             "machine loaded by other work; this only delays the detection of a hung child)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="known-load mode: run every row and policy this many times, interleaved (repeat r "
+                             "runs each row's policies in an order rotated by r); tables show medians")
     parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
     parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
     parser.add_argument("--make-trace", type=Path, default=None,
-                        help="write a trace of --num-jobs random MT-Bench/HumanEval/GSM8K prompts here and exit")
+                        help="write a trace of --num-jobs test-split prompts of --trace-sets here and exit")
     parser.add_argument("--trace-rate", type=float, default=1.0, help="mean arrivals/s of --make-trace")
-    parser.add_argument("--trace-max-tokens", type=int, default=256)
+    parser.add_argument("--trace-max-tokens", type=int, default=512)
+    parser.add_argument("--trace-sets", nargs="+", default=list(CHAT_TRACE_SETS),
+                        help="prompt sets of --make-trace (their test splits; shared evenly)")
     parser.add_argument("--calibrate", action="store_true", help="measure the latency model on the real server")
     parser.add_argument("--calibrate-tokens", type=int, default=64)
     parser.add_argument("--latency-model", type=Path, default=None, help="JSON written by --calibrate")
@@ -641,7 +786,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--policy {SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load, or --simulate")
     out: dict[str, Any] = {}
     if args.make_trace is not None:
-        entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed)
+        from treeserve.models import load_model
+
+        entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed,
+                             sets=args.trace_sets, tokenizer=load_model(args.model).tokenizer)
         args.make_trace.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
         _log(f"wrote {len(entries)} requests to {args.make_trace}")
         return 0
@@ -656,6 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["known_load"] = run_known_loads(args, trace)
         out["config"] = {"trace": str(args.trace), "num_rows": args.num_rows, "speculate": args.speculate,
                          "max_wait_s": args.max_wait_s, "model": args.model, "seed": args.seed,
+                         "format": args.format, "repeats": args.repeats, "load_average_at_start": _loadavg(),
                          "predictor": args.predictor or "shipped", "online_predictor": not args.no_online_predictor}
     elif args.simulate:
         latency = LatencyModel() if args.latency_model is None else _load_latency(args)

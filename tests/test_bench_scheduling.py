@@ -195,11 +195,11 @@ def test_the_oracle_runs_only_in_the_simulator() -> None:
 
 
 # ------------------------------------------------------------------ the known-load mode's pieces
-SHIPPED_TRACE = SCHEDULING_PY.parent / "data" / "trace_ssjf.jsonl"
+SHIPPED_TRACE = SCHEDULING_PY.parent / "data" / "trace_chat512.jsonl"
 
 
 def test_burst_and_rate_replays_keep_every_request_once() -> None:
-    trace = sched.read_trace(SHIPPED_TRACE)
+    trace = [e for e in sched.read_trace(SHIPPED_TRACE, resolve=False) if "messages" in e]
     burst = sched.burst_of(trace)
     assert [e["arrival_s"] for e in burst] == [0.0] * len(trace)
     assert [e["trace_index"] for e in burst] == list(range(len(trace)))
@@ -212,14 +212,49 @@ def test_burst_and_rate_replays_keep_every_request_once() -> None:
     assert 4000 / many[-1]["arrival_s"] == pytest.approx(0.5, rel=0.05)
 
 
-def test_the_shipped_trace_is_chat_messages_from_the_test_split() -> None:
+def test_the_shipped_trace_is_chat_from_the_test_split_with_no_restricted_text() -> None:
     from treeserve.predictor import is_test_prompt
 
-    trace = sched.read_trace(SHIPPED_TRACE)
-    assert len(trace) >= 32 and all("messages" in e and e["max_tokens"] == 256 for e in trace)
+    trace = sched.read_trace(SHIPPED_TRACE, resolve=False)
+    assert len(trace) >= 32 and all(e["max_tokens"] == 512 for e in trace)
+    assert {e["source"].split("/")[0] for e in trace} == set(sched.CHAT_TRACE_SETS)
     for e in trace:
         dataset, _, prompt_id = e["source"].partition("/")
-        assert dataset in sched.TRACE_SETS and is_test_prompt(dataset, prompt_id), e["source"]
+        assert is_test_prompt(dataset, prompt_id), e["source"]
+        if dataset in sched.REFERENCE_SETS:  # named by id and hash: no text of theirs is committed
+            assert "messages" not in e and "prompt" not in e and len(e["prompt_sha256"]) == 64
+        else:
+            assert dataset in sched.TRACE_SETS and e["messages"][0]["role"] == "user"
+
+
+def test_trace_entries_by_reference_resolve_from_the_fetched_set_and_check_the_hash(tmp_path: Path) -> None:
+    import hashlib
+
+    (tmp_path / "arenahard.jsonl").write_text(json.dumps({"id": "u1", "prompt": "Why is the sky blue?"}) + "\n",
+                                              encoding="utf-8")
+    sha = hashlib.sha256(b"Why is the sky blue?").hexdigest()
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"arrival_s": 0, "max_tokens": 8, "source": "arenahard/u1", "prompt_sha256": sha}) + "\n",
+                    encoding="utf-8")
+    (entry,) = sched.read_trace(path, data_dir=tmp_path)
+    assert entry["messages"] == [{"role": "user", "content": "Why is the sky blue?"}]
+    path.write_text(json.dumps({"arrival_s": 0, "max_tokens": 8, "source": "arenahard/u1",
+                                "prompt_sha256": "0" * 64}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="differs"):
+        sched.read_trace(path, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="fetch.py alpacaeval"):
+        sched.resolve_prompt({"source": "alpacaeval/x", "prompt_sha256": sha}, tmp_path)
+
+
+def test_repeats_report_medians_of_each_rounds_own_ratios() -> None:
+    rounds = [{"fcfs": {"mean_jct_s": 10.0, "ratio": 1.0}, "ssjf": {"mean_jct_s": 8.0, "ratio": 0.8}},
+              {"fcfs": {"mean_jct_s": 20.0, "ratio": 1.0}, "ssjf": {"mean_jct_s": 14.0, "ratio": 0.7}},
+              {"fcfs": {"mean_jct_s": 12.0, "ratio": 1.0}, "ssjf": {"mean_jct_s": 11.0, "ratio": math.nan}}]
+    table = sched.median_table(rounds)
+    assert table["fcfs"]["mean_jct_s"] == 12.0 and table["ssjf"]["mean_jct_s"] == 11.0
+    assert table["ssjf"]["ratio"] == pytest.approx(0.75)  # NaN rounds left out
+    assert table["ssjf"]["num_repeats"] == 3.0
+    assert sched.rotated(["a", "b", "c"], 0) == ["a", "b", "c"] and sched.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
 def test_capacity_and_oracle_gain_share() -> None:

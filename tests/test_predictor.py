@@ -252,3 +252,61 @@ def test_prompt_hidden_equals_the_models_own_forward(num_tokens: int) -> None:
     ids = list(range(3, 3 + num_tokens))
     _, hidden = model(torch.tensor([ids]), model.new_cache(1, num_tokens), return_hidden=True)
     assert np.allclose(prompt_hidden(model, ids), hidden[0].numpy(), atol=1e-5)
+
+
+def test_one_pass_features_equal_each_truncated_models_own(tmp_path: Path) -> None:
+    from treeserve.predictor import cache_hidden_features, feature_matrix, hidden_features_at
+
+    model = _tiny_model()
+    ids = [5, 9, 2, 33, 7]
+    layers = [1, 2, model.config.num_layers]
+    one_pass = hidden_features_at(model, ids, layers)
+    for layer in layers:
+        expected = features(FeatureSpec("hidden", num_layers=layer), ids, model.truncated(layer))
+        assert np.allclose(one_pass[layer], expected, atol=1e-6), layer
+    assert not np.allclose(one_pass[1], one_pass[2])  # each layer's own state, not one state reused
+    examples = [LengthExample("s", str(i), tuple(ids[: i + 1]), 10 * i + 1, False) for i in range(4)]
+    cache_hidden_features(layers, examples, model, tmp_path)
+    for layer in layers:
+        x, _ = feature_matrix(FeatureSpec("hidden", num_layers=layer), examples, None, tmp_path)  # read back, no model
+        assert np.allclose(x[2], features(FeatureSpec("hidden", num_layers=layer), ids[:3], model.truncated(layer)),
+                           atol=1e-6)
+
+
+def test_predictor_data_batched_greedy_equals_one_prompt_at_a_time() -> None:
+    """bench/predictor_data.py's continuous batching (rows refilled as answers end) gives each
+    prompt the answer plain greedy decoding gives it alone, and its length and cap flag."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "predictor_data.py"
+    spec = importlib.util.spec_from_file_location("treeserve_bench_predictor_data", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    model = _tiny_model()
+    prompts = [[1, 5, 9], [2, 7], [3, 3, 3, 4, 8], [6], [9, 1, 4, 4]]
+
+    def alone(ids: list[int], stop: set[int], max_tokens: int) -> list[int]:
+        cache = model.new_cache(1, len(ids) + max_tokens + 1)
+        out: list[int] = []
+        tokens = list(ids)
+        while len(out) < max_tokens:
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokens]), cache)
+            cache.commit(0, list(range(len(tokens))))
+            out.append(int(logits[0, -1].argmax()))
+            tokens = [out[-1]]
+            if out[-1] in stop:
+                break
+        return out
+
+    first = [alone(p, set(), 8) for p in prompts]
+    stop = {first[1][2]}  # one answer ends early on a "stop id", the others may too
+    expected = [alone(p, stop, 8) for p in prompts]
+    jobs = [module.Job("s", str(i), "", p, []) for i, p in enumerate(prompts)]
+    done: list[object] = []
+    assert module.generate_batched(model, jobs, stop, 8, 2, 1e9, done.append) == len(prompts)
+    assert [j.output for j in jobs] == expected and len(done) == len(prompts)
+    assert [j.is_capped for j in jobs] == [len(e) == 8 and e[-1] not in stop for e in expected]

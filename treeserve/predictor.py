@@ -66,12 +66,14 @@ __all__ = [
     "add_arguments",
     "bucket_of",
     "evaluate",
+    "cache_hidden_features",
     "feature_matrix",
     "features",
     "fit_predictor",
     "fit_head",
     "fit_rank_predictor",
     "held_out_by_dataset",
+    "hidden_features_at",
     "is_test_prompt",
     "kendall_tau",
     "load_length_data",
@@ -215,6 +217,74 @@ def feature_matrix(spec: FeatureSpec, examples: Sequence[LengthExample], model: 
     return np.stack([cached[k] for k in keys]), float(seconds_per_prompt or 0.0)
 
 
+def hidden_features_at(model: Transformer, prompt_ids: Sequence[int], layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """``hidden@L`` features of one prompt for every ``L`` in ``layers``, from one prefill of the
+    first ``max(layers)`` blocks: the same vectors :func:`features` computes with
+    ``model.truncated(L)`` for each ``L`` (final norm, then mean / last-token pooling).
+
+    The state after ``L`` blocks is read where the model's loop hands it on: at block ``L``'s
+    input norm, or at the final norm for the last block run.
+    """
+    import torch
+
+    deepest = max(layers)
+    truncated = model.truncated(deepest)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in set(layers):
+        norm = truncated.norm if layer == deepest else truncated.layers[layer].input_layernorm
+
+        def grab(_module: Any, inputs: tuple[Any, ...], layer: int = layer) -> None:
+            captured[layer] = inputs[0].detach()
+        handles.append(norm.register_forward_pre_hook(grab))
+    try:
+        prompt_hidden(truncated, prompt_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.inference_mode():
+        return {layer: pooled_hidden_features(truncated.norm(captured[layer])[0].float().cpu().numpy())
+                for layer in layers}
+
+
+def cache_hidden_features(layers: Sequence[int], examples: Sequence[LengthExample], model: Transformer,
+                          cache_dir: Path, *, log_every: int = 0) -> None:
+    """Compute every ``hidden@L`` feature set of ``layers`` for ``examples`` in one pass per prompt
+    (:func:`hidden_features_at`) into the files :func:`feature_matrix` reads from ``cache_dir``;
+    prompts already cached for every ``L`` are skipped. ``seconds_per_prompt`` of ``hidden@L``
+    is the measured cost of one ``L``-block prefill, scaled from the pass by ``L / max(layers)``."""
+    specs = {layer: FeatureSpec("hidden", num_layers=layer) for layer in layers}
+    paths = {layer: cache_dir / f"features_{spec_name(spec).replace('@', '_')}.npz" for layer, spec in specs.items()}
+    cached: dict[int, dict[str, np.ndarray]] = {}
+    for layer, path in paths.items():
+        cached[layer] = {}
+        if path.exists():
+            with np.load(path, allow_pickle=False) as data:
+                cached[layer] = dict(zip([str(k) for k in data["keys"]], data["x"]))
+    keys = [hashlib.sha256(np.asarray(e.prompt_ids, dtype=np.int64).tobytes()).hexdigest() for e in examples]
+    missing = [i for i, k in enumerate(keys) if any(k not in cached[layer] for layer in layers)]
+    if not missing:
+        return
+    started = time.perf_counter()
+
+    def save() -> None:
+        seconds = (time.perf_counter() - started) / max(1, done)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for layer, path in paths.items():
+            np.savez(path, keys=np.array(list(cached[layer])), x=np.stack(list(cached[layer].values())),
+                     seconds_per_prompt=np.array(seconds * layer / max(layers)))
+
+    done = 0
+    for i in missing:
+        for layer, x in hidden_features_at(model, examples[i].prompt_ids, layers).items():
+            cached[layer][keys[i]] = x
+        done += 1
+        if log_every and done % log_every == 0:
+            save()  # resumable: a killed run keeps what it computed
+            print(f"[train-predictor] features {done}/{len(missing)}, {time.perf_counter() - started:.0f} s", flush=True)
+    save()
+
+
 def fit_head(head: str, x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
              alphas: Sequence[float] = DEFAULT_ALPHAS, seed: int = 0) -> Predictor:
     """Fit a ``ridge`` or ``rank`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
@@ -317,14 +387,11 @@ def _parse_spec(text: str, num_buckets: int) -> FeatureSpec:
     return FeatureSpec(kind)
 
 
-DEFAULT_DATA = (Path("bench/data/predictor_lengths_256.csv"), Path("bench/data/predictor_lengths_256_bf16.csv"),
-                Path("bench/data/predictor_lengths_256_bf16_public.csv"),
-                Path("bench/out/predictor_lengths_256_alpacaeval.csv"),
-                Path("bench/out/predictor_lengths_256_alpacaeval_bf16.csv"),
-                Path("bench/out/predictor_lengths_256_alpacaeval_bf16_public.csv"))
-"""The shipped predictor's data (``bench/predictor_data.py``, float32 and bfloat16 runs, the
-last of the public sets only, Arena-Hard's prompts among them): the committed CSVs and the
-AlpacaEval rows (CC BY-NC, in the ignored ``bench/out/``)."""
+DEFAULT_DATA = (Path("bench/data/predictor_lengths_512_q4_1.csv"),
+                Path("bench/out/predictor_lengths_512_q4_1_alpacaeval.csv"))
+"""The shipped predictor's data (``bench/predictor_data.py``, q4_1, ``max_tokens`` 512): the
+committed CSV and the AlpacaEval rows (CC BY-NC, in the ignored ``bench/out/``). The earlier
+256-token runs (``bench/data/predictor_lengths_256*.csv``) stay for reference."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,11 +401,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " ".join(str(p) for p in DEFAULT_DATA) + ", those that exist)")
     parser.add_argument("--prompts-dir", type=Path, default=Path("bench/data"),
                         help="folder with the <dataset>.jsonl prompt files (fetch.py, synthetic.py)")
-    parser.add_argument("--features", default="hidden@4",
+    parser.add_argument("--features", default="hidden@12",
                         help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
     parser.add_argument("--head", default="rank", choices=HEADS,
                         help="rank: pairwise ranking loss on top of ridge; ridge: regression on log length")
-    parser.add_argument("--compare", nargs="*", default=["prompt_len", "tokens@1024"],
+    parser.add_argument("--compare", nargs="*", default=["hidden@4", "hidden@8", "prompt_len", "tokens@1024"],
                         help="other feature specs to report on the held-out prompts")
     parser.add_argument("--cross-validate", action="store_true",
                         help="report k-fold cross-validation over all prompts instead of the held-out test split "
@@ -352,6 +419,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folds", type=int, default=5, help="folds of --cross-validate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--baseline", type=Path, nargs="*", default=[],
+                        help="saved predictors (.npz) to score on the same held-out prompts (e.g. the shipped one)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a bench/scheduling.py trace: also report tau on its prompts (by their source set/id)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -404,12 +475,24 @@ def run(args: argparse.Namespace) -> int:
     common = {"model": loaded.model, "max_tokens": int(header.get("max_tokens", 512)), "num_folds": args.folds,
               "seed": args.seed, "test": test, "cache_dir": args.features_cache}
     started = time.perf_counter()
+    layers = sorted({s.num_layers for s in [spec, *compare] if s.kind == "hidden"})
+    if layers and args.features_cache is not None:  # every hidden@L from one prefill per prompt
+        cache_hidden_features(layers, examples, loaded.model, args.features_cache)
     report = train_predictor(train, spec, compare=compare, head=args.head, **common)
     seconds = time.perf_counter() - started
     if args.head != "ridge":  # the same features under plain regression: what the ranking loss adds
         ridge = train_predictor(train, spec, head="ridge", **common)
         report.held_out[f"{spec_name(spec)}/ridge"] = ridge.held_out[spec_name(spec)]
         report.held_out_predictions[f"{spec_name(spec)}/ridge"] = ridge.held_out_predictions[spec_name(spec)]
+    scored = test or examples
+    for path in args.baseline:  # a saved head, scored on the same prompts with its own features
+        old = load_predictor(path)
+        x_old, _ = feature_matrix(old.spec, scored, loaded.model, args.features_cache)
+        name = f"baseline:{path.name}"
+        predicted = np.minimum(np.asarray(old.predict_features(x_old)), float(common["max_tokens"]))
+        report.held_out[name] = {**evaluate(predicted, np.array([e.num_output_tokens for e in scored], dtype=np.float64)),
+                                 "feature_ms": 0.0}
+        report.held_out_predictions[name] = predicted
     spec_obj = REGISTRY.get(model_name)
     report.predictor.meta.update({
         "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": args.head,
@@ -422,7 +505,6 @@ def run(args: argparse.Namespace) -> int:
     })
     if args.out is not None:
         report.predictor.save(args.out)
-    scored = test or examples
     if args.predictions_out is not None:
         write_predictions(args.predictions_out, scored, report)
     by_dataset = held_out_by_dataset(scored, report)
@@ -430,8 +512,16 @@ def run(args: argparse.Namespace) -> int:
     lengths = np.array([e.num_output_tokens for e in scored], dtype=np.float64)
     public_only = {n: evaluate(p[public], lengths[public]) for n, p in report.held_out_predictions.items()} \
         if public else {}
+    trace_only: dict[str, dict[str, float]] = {}
+    if args.trace is not None:
+        sources = {json.loads(line).get("source") for line in args.trace.read_text(encoding="utf-8").split("\n")
+                   if line.strip()}
+        on_trace = [i for i, e in enumerate(scored) if f"{e.dataset}/{e.id}" in sources]
+        trace_only = {n: evaluate(p[on_trace], lengths[on_trace]) for n, p in report.held_out_predictions.items()} \
+            if on_trace else {}
     result = {"spec": spec_name(spec), "head": args.head, "num_train": len(train), "num_test": len(test),
               "num_folds": report.num_folds, "held_out": report.held_out, "held_out_public_sets": public_only,
+              "held_out_trace_prompts": trace_only,
               "held_out_by_dataset": by_dataset, "train_s_with_features": seconds,
               "saved_to": str(args.out) if args.out else None}
     if args.json:
@@ -440,11 +530,14 @@ def run(args: argparse.Namespace) -> int:
         how = (f"{report.num_folds}-fold cross-validation over {len(examples)} prompts" if args.cross_validate
                else f"trained on {len(train)} prompts, scored on {len(test)} held-out test prompts")
         print(f"held-out ({how}); head {args.head}")
-        print(f"{'features':<16} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'tau public':>10} {'feat ms':>8}")
+        print(f"{'features':<16} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'tau public':>10} "
+              f"{'bucket public':>13} {'tau trace':>9} {'feat ms':>8}")
         for name, m in report.held_out.items():
-            pub = public_only.get(name, {}).get("kendall_tau", float("nan"))
+            pub = public_only.get(name, {})
             print(f"{name:<16} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
-                  f"{m['kendall_tau']:>6.3f} {pub:>10.3f} {m['feature_ms']:>8.1f}")
+                  f"{m['kendall_tau']:>6.3f} {pub.get('kendall_tau', float('nan')):>10.3f} "
+                  f"{pub.get('bucket_accuracy', float('nan')):>13.3f} "
+                  f"{trace_only.get(name, {}).get('kendall_tau', float('nan')):>9.3f} {m['feature_ms']:>8.1f}")
         print("Kendall's tau within each dataset (held out):")
         for dataset, per_spec in by_dataset.items():
             print(f"  {dataset:<11} n={int(next(iter(per_spec.values()))['num']):<4} "

@@ -202,3 +202,19 @@ def test_a_busy_queue_stays_shortest_first_after_everything_is_promoted() -> Non
     now = 60.0  # all 40 promoted under both rules
     assert [r.request_id for r in fixed.select(now, 40)] == [f"r{i}" for i in range(40)]
     assert [r.request_id for r in scaled.select(now, 40)] == [f"r{i}" for i in reversed(range(40))]
+
+
+def test_the_default_aging_scale_keeps_a_512_token_burst_shortest_first() -> None:
+    """Chat answers run to 512 tokens (the benchmark's cap): with the default scale every
+    predicted length up to 512 keeps its own deadline, so a drained-late burst stays shortest
+    first across the whole range; a 256-token scale ties everything from 256 up (arrival order)."""
+    burst = [QueuedRequest(f"r{i}", 0.05 * i, 10, 512, predicted_len=float(500 - 12 * i)) for i in range(40)]
+    default, half = SSJFPolicy(max_wait_s=30.0), SSJFPolicy(max_wait_s=30.0, aging_tokens=256)
+    for r in burst:
+        default.add(r, 2.0)
+        half.add(r, 2.0)
+    now = 60.0  # every request promoted
+    assert [r.request_id for r in default.select(now, 40)] == [f"r{i}" for i in reversed(range(40))]
+    tied = [r.request_id for r in half.select(now, 40)]
+    long_ones = [i for i in tied if int(i[1:]) <= 20]  # predicted 500..260: deadline arrival + 30 s each
+    assert long_ones == [f"r{i}" for i in range(21)]  # so in arrival order, the longest first

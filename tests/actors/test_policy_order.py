@@ -63,7 +63,7 @@ def test_ssjf_orders_by_predicted_length_with_stable_ties() -> None:
 
 
 def test_ssjf_promotes_at_service_scaled_deadlines_earliest_first() -> None:
-    p = SSJFPolicy(max_wait_s=10.0)  # aging_tokens 256: deadline = arrival + 10 * min(1, size / 256)
+    p = SSJFPolicy(max_wait_s=10.0, aging_tokens=256)  # deadline = arrival + 10 * min(1, size / 256)
     p.add(req("old-long", 0.0, predicted=1000), 0.0)  # deadline 10.0
     p.add(req("older-long", -1.0, predicted=2000), 0.0)  # deadline 9.0
     p.add(req("new-short", 9.0, predicted=1), 9.0)  # deadline 9.0390625
@@ -75,7 +75,7 @@ def test_ssjf_promotes_at_service_scaled_deadlines_earliest_first() -> None:
     assert drain(p, now=9.5) == ["new-short", "old-long"]
     # At 20 all three are promoted: by deadline (l2: 1 + 10 * 99/256 = 4.87; l1: 10; s: 15.04),
     # not by arrival: a fixed wait (aging_tokens=1) would give l1, l2, s.
-    q = SSJFPolicy(max_wait_s=10.0)
+    q = SSJFPolicy(max_wait_s=10.0, aging_tokens=256)
     fixed = SSJFPolicy(max_wait_s=10.0, aging_tokens=1)
     for r in (req("s", 15.0, predicted=1), req("l2", 1.0, predicted=99), req("l1", 0.0, predicted=500)):
         q.add(r, 15.0)
@@ -226,6 +226,6 @@ def test_hrrn_promotes_at_its_aging_deadline() -> None:
         return policy
 
     # Deadlines (max_wait_s 10, aging_tokens 256): long 10.0, short 5 + 10 * 200/256 = 12.8.
-    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=10.0) == ["long", "short"]  # "long" is promoted
-    assert drain(queue(HRRNPolicy(max_wait_s=10.0)), now=9.5) == ["short", "long"]  # not yet: the ratio
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0, aging_tokens=256)), now=10.0) == ["long", "short"]  # promoted
+    assert drain(queue(HRRNPolicy(max_wait_s=10.0, aging_tokens=256)), now=9.5) == ["short", "long"]  # the ratio
     assert drain(queue(HRRNPolicy()), now=10.0) == ["short", "long"]  # no aging: the ratio alone
