@@ -4,31 +4,20 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import io
 import json
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from treeserve.testing.scripts import load_script
 
 FETCH_PY = Path(__file__).resolve().parents[1] / "bench" / "data" / "fetch.py"
 
 
-def _load_fetch() -> ModuleType:
-    # bench/ is not a package; load the script by path under a unique module name.
-    spec = importlib.util.spec_from_file_location("treeserve_bench_data_fetch", FETCH_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-fetch = _load_fetch()
+fetch = load_script("treeserve_bench_data_fetch", FETCH_PY)
 
 # Two Arena-Hard-like records; the first prompt holds an unescaped U+2028 LINE SEPARATOR.
 ARENA_TEXT = (

@@ -3,27 +3,19 @@ through the g++ shim, a tiny twin of the default model). The GPU run itself cann
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from treeserve.testing.scripts import load_script
 
 GPU_CHECK_PY = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("treeserve_bench_gpu_check", GPU_CHECK_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_flags_default_to_out_and_the_carried_wheels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("treeserve_bench_gpu_check", GPU_CHECK_PY)
     monkeypatch.setenv("OUT", str(tmp_path))
     args = bench.parse_args([])
     assert args.out == tmp_path and args.wheels.name == ".whl" and not args.dry_run
@@ -34,7 +26,7 @@ def test_flags_default_to_out_and_the_carried_wheels(monkeypatch: pytest.MonkeyP
 
 
 def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("treeserve_bench_gpu_check", GPU_CHECK_PY)
     report = bench.Report(tmp_path, deadline_s=60)
     report.step("broken", lambda: {"x": 1 / 0})
     report.step("fine", lambda: {"ok": True})
@@ -49,7 +41,7 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path: Path) -> 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the dry run emulates the kernel with g++")
 def test_dry_run_kernel_steps(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("treeserve_bench_gpu_check", GPU_CHECK_PY)
     code = bench.main(["--dry-run", "--out", str(tmp_path), "--only", "kernel_accuracy", "kernel_timing"])
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and saved["device"] == "cpu" and saved["failed_steps"] == []

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 from tests.ops.conftest import make_tiny_model
+from treeserve.testing.scripts import load_script
 
 PREFILL_PY = Path(__file__).resolve().parents[1] / "bench" / "prefill.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("treeserve_bench_prefill", PREFILL_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_measure_reports_every_mode_and_the_ratios() -> None:
-    bench = _load()
+    bench = load_script("treeserve_bench_prefill", PREFILL_PY)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]
     report = bench.measure(make_tiny_model(0), prompts, repeats=2)
     assert (report["burst"], report["prompt_tokens"], report["longest_prompt"]) == (3, 20, 12)

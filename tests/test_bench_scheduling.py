@@ -3,32 +3,22 @@ an oracle predictor, a reversed predictor that must lose), summaries, arrivals, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 
+from treeserve.testing.scripts import load_script
+
 SCHEDULING_PY = Path(__file__).resolve().parents[1] / "bench" / "scheduling.py"
 TRACE = SCHEDULING_PY.parent / "data" / "trace_small.jsonl"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("treeserve_bench_scheduling", SCHEDULING_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-sched = _load()
+sched = load_script("treeserve_bench_scheduling", SCHEDULING_PY)
 UNIT = sched.LatencyModel(base_s=1.0, per_row_s=0.0, tokens_per_step=1.0, prefill_per_token_s=0.0)
 
 

@@ -4,12 +4,10 @@ and peers skipped or wired without failing. No timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -19,6 +17,7 @@ from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import SpeculationMode, generate_speculative
 from treeserve.ops.verify import VerifyResult
+from treeserve.testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -26,19 +25,8 @@ EOS = 2
 PROMPTS = [("a", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]), ("b", [10, 11, 12, 13, 14, 10, 11, 12]), ("c", [3, 40, 50, 60])]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("treeserve_bench_speculative", ROOT / "bench" / "speculative.py")
-tiny = _load("tiny_model_files", ROOT / "tests" / "actors" / "tiny_model_files.py")
+bench = load_script("treeserve_bench_speculative", ROOT / "bench" / "speculative.py")
+tiny = load_script("tiny_model_files", ROOT / "tests" / "actors" / "tiny_model_files.py")
 
 
 @pytest.fixture(scope="module")
