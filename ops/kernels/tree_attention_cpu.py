@@ -29,6 +29,10 @@ FLAGS = cpp_build.AVX512
 BF16_FLAGS = ("-mavx512bf16",)
 """Added where the CPU has AVX512-BF16: bfloat16 attention with a head size that is a multiple of
 32 then multiplies queries by keys in bf16 pairs (``attend_item_bf16``), without widening them."""
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
+"""Added where the CPU also has AMX-BF16 (used only where Linux grants this process the tiles):
+bfloat16 trees of more query rows per KV group than one vector item takes run on tiles
+(``attend_tiles``: a 16-node tree of the default model and larger)."""
 AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 """The build for a CPU without AVX-512 (``simd16.h``'s AVX2 backend: two ymm halves a vector)."""
 MAX_HEAD_DIM = 128
@@ -61,6 +65,8 @@ def available() -> bool:
                 AVX2_FLAGS if {"avx2", "fma", "f16c"} <= flags else None)
             if chosen == FLAGS and "avx512_bf16" in flags:
                 chosen = (*FLAGS, *BF16_FLAGS)
+                if {"amx_tile", "amx_bf16"} <= flags:  # many new tokens on tiles, where the OS grants them
+                    chosen = (*chosen, *AMX_FLAGS)
             if chosen is not None:
                 path = cpp_build.build(SOURCE, chosen)
                 if path is not None:

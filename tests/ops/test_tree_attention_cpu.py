@@ -24,6 +24,7 @@ CASES = [
     (4, 2, 72, 5, [40, 17]),  # a head size with a 16-lane tail
     (8, 8, 128, 3, [33, 2]),  # no grouping, the widest head
     (2, 1, 4, 12, [3]),
+    (9, 3, 64, 40, [300, 17]),  # bf16 on AMX: 120 query rows per KV group, a partial row tile
 ]
 
 
@@ -68,6 +69,8 @@ SPLIT_CASES = [
     (9, 3, 64, 5, [400]),  # a tree in the last segment
     (9, 3, 64, 1, [500, 3]),
     (6, 2, 16, 2, [1000]),
+    (9, 3, 64, 16, [700]),  # bf16 on AMX: the tile path's segments
+    (9, 3, 64, 20, [500, 3]),  # and a short row's empty ones
 ]
 
 
@@ -94,6 +97,34 @@ def test_a_mask_that_leaks_siblings_is_caught() -> None:
     assert (wrong.double() - reference(q, k, v, lengths, parents)).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_that_leaks_siblings_is_caught_on_every_path(dtype: torch.dtype) -> None:
+    """As above, for a 16-node tree of the default model's heads (bf16 runs on AMX tiles where
+    the CPU has them)."""
+    q, k, v, lengths, parents = inputs((9, 3, 64, 16, [90]), dtype, seed=5)
+    chain = torch.ones(16, 16, dtype=torch.bool).tril()[None]
+    wrong = tree_attention_cpu.tree_decode(q, k, v, lengths, chain)
+    assert (wrong.double() - reference(q, k, v, lengths, parents)).abs().max().item() > 5e-2
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # one segment per KV group, or several merged
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_query_in_a_tree_spoils_its_own_row_only(dtype: torch.dtype, threads: int) -> None:
+    q, k, v, lengths, parents = inputs((9, 3, 64, 16, [90]), dtype, seed=6)
+    q[0, 3, 4, 7] = float("nan")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = tree_attention_cpu.tree_decode(q, k, v, lengths, tree_mask_from_parents(torch.tensor(parents)))
+    finally:
+        torch.set_num_threads(before)
+    spoiled = got.view(1, 16, 9, 64)[0, 3, 4]
+    assert spoiled.isnan().all()
+    rest = got.view(1, 16, 9, 64).clone()
+    rest[0, 3, 4] = 0.0
+    assert rest.isfinite().all()
+
+
 def test_a_non_finite_query_spoils_its_own_row_only() -> None:
     q, k, v, lengths, parents = inputs((9, 3, 64, 1, [63, 64, 65, 200]), torch.float32)
     q[1, 0, 4, 7] = float("nan")
@@ -117,3 +148,23 @@ def test_groups_wider_than_one_item_are_refused_not_overrun() -> None:
     assert not tree_attention_cpu.supports(q, kv_heads=1) and tree_attention_cpu.supports(q, kv_heads=2)
     with pytest.raises(RuntimeError, match="query heads per KV head"):
         tree_attention_cpu.tree_decode(q, k, v, torch.tensor([3]), torch.ones(1, 1, 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_strided_new_rows_after_each_rows_length(dtype: torch.dtype) -> None:
+    """The decode step passes its values as a slice of the fused QKV output (not contiguous)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, kv_heads, capacity, head_dim, num_new = 2, 3, 20, 64, 5
+    keys = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype)
+    values = torch.zeros_like(keys)
+    fused = torch.randn(batch, num_new, 3 * kv_heads * head_dim, generator=gen).to(dtype)
+    new_k, new_v, _ = fused.split(kv_heads * head_dim, dim=-1)
+    new_k = new_k.view(batch, num_new, kv_heads, head_dim)
+    new_v = new_v.view(batch, num_new, kv_heads, head_dim)
+    assert not new_k.is_contiguous()
+    lengths = torch.tensor([0, 9])
+    tree_attention_cpu.write_kv(keys, values, new_k, new_v, lengths)
+    for b, start in enumerate(lengths.tolist()):
+        assert torch.equal(keys[b, :, start:start + num_new], new_k[b].transpose(0, 1))
+        assert torch.equal(values[b, :, start:start + num_new], new_v[b].transpose(0, 1))
+        assert not keys[b, :, :start].any() and not keys[b, :, start + num_new:].any()
