@@ -540,10 +540,13 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lengths, 
 //     of exact bf16 products, as on the vector path. A score vector is then one key for the 16
 //     rows, so the online softmax's maxima, sums and shrink factors are per-lane vectors, with
 //     no reduction across lanes;
-//   * the weights are rounded to bf16 (as torch's flash attention does for bf16) in key pairs and
-//     transposed back into an A tile of 16 rows x 32 keys, which multiplies the block's values
-//     (B tiles of 16 dims, the values interleaved in key pairs once per block) into 16 x 64 fp32
-//     sums, added to the rows' sums after the softmax's shrink.
+//   * the weights are rounded to bf16 in key pairs (as torch's flash attention does for bf16)
+//     and transposed back into an A tile of 16 rows x 32 keys, which multiplies the block's
+//     values (B tiles of 16 dims, the values interleaved in key pairs once per block) into
+//     16 x 64 fp32 sums, added to the rows' sums after the softmax's shrink. Measured in q4_1
+//     on 432 greedy positions: a 16-token chain's argmax agreed with 16 one-token steps' 99.3%
+//     of the time, against 99.1% with the vector path's fp32 weights and 99.1% with each weight
+//     split into two bf16 terms (which cost 1.35x); the steps differ more in their products.
 // Segments are merged as on the vector path. A tree-hidden slot gets weight 0; a NaN score makes
 // NaN weights in its own row only; the output is rounded to nearest even, as elsewhere.
 constexpr int64_t kTileKeys = 128;  // keys per block at most
