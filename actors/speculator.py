@@ -4,11 +4,13 @@ Config dict::
 
     {"model": str, "cache_dir": str|None, "dtype": "float32"|..., "device": "cpu"|"cuda:N",
      "speculators": [{"kind": "ngram", "max_ngram": 3, "min_ngram": 1, "num_draft_tokens": 4, "num_branches": 1},
+                     {"kind": "suffix", "capacity": 65536, "num_draft_tokens": 16},
                      {"kind": "self", "layers": 4, "expansion": [1, 1, 3, 1]},
                      {"kind": "model", "model": "<path>", "expansion": [...]}],
      "capacity": int|None, "num_threads": int|None}
 
-``model`` is the verifier's LM (its vocabulary sizes the n-gram drafts; ``self`` drafts with its
+``model`` is the verifier's LM (its vocabulary sizes the n-gram and suffix drafts; a ``suffix``
+speculator's index is one per actor, fed by every request it drafts for; ``self`` drafts with its
 first ``layers`` blocks, sharing the weights); ``model`` kinds load another LM that shares the
 tokenizer. Every kind and its options are
 :class:`~treeserve.actors.speculator_factory.SpeculatorSpec`'s, and that module builds them, in
@@ -152,7 +154,7 @@ class SpeculatorActor(Actor):
         self._offload = SerialOffload()
         self._states: dict[str, _RequestState] = {}
         self._model: Transformer | None = None
-        self._drafters: list[Drafter] = []  # per spec: what it drafts with (None for ngram)
+        self._drafters: list[Drafter] = []  # per spec: what it drafts with (None for ngram; suffix: its index)
         self._params = ParamsCache()  # each request's params, parsed at its first propose
 
     async def on_start(self) -> None:

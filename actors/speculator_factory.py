@@ -7,8 +7,8 @@ same kinds with the same options in the same order. The order matters: at a tree
 multi-step speculative sampling tries the proposals in speculator order (see
 :func:`default_speculators`).
 
-A spec string is ``ngram``, ``feature[:PATH]``, ``distilled:PATH``, ``self[:LAYERS]`` or
-``model:PATH``; its wire form (the speculator actor's config entries) is a map with ``kind``
+A spec string is ``ngram``, ``suffix``, ``feature[:PATH]``, ``distilled:PATH``,
+``self[:LAYERS]`` or ``model:PATH``; its wire form (the speculator actor's config entries) is a map with ``kind``
 and the kind's options (:meth:`SpeculatorSpec.from_wire` lists them).
 """
 
@@ -33,37 +33,45 @@ from treeserve.ops.loaders.registry import DEFAULT_MODEL
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.ssm import DistilledSpeculator, DistilledSSM, load_ssms
+from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
 
 
 class SpeculatorKind(enum.StrEnum):
-    """What drafts: n-grams of the text so far, the feature-level drafter, distilled SSMs, the
-    verifier's own first layers, or another LM with the same tokenizer."""
+    """What drafts: n-grams of the text so far, the suffixes of everything the process has seen
+    (every request's), the feature-level drafter, distilled SSMs, the verifier's own first
+    layers, or another LM with the same tokenizer."""
 
     NGRAM = "ngram"
+    SUFFIX = "suffix"
     FEATURE = "feature"
     DISTILLED = "distilled"
     SELF = "self"
     MODEL = "model"
 
 
-SPEC_SYNTAX = "ngram | feature[:PATH] | distilled:PATH | self[:LAYERS] | model:PATH"
+SPEC_SYNTAX = "ngram | suffix | feature[:PATH] | distilled:PATH | self[:LAYERS] | model:PATH"
 """The spec strings :func:`parse_speculator` accepts (``none`` for no speculation is the caller's)."""
 NGRAM_OPTIONS: Mapping[str, int] = {"max_ngram": 3, "num_draft_tokens": 8, "num_branches": 2}
 """The default n-gram drafter: model-free and nearly free to run."""
+SUFFIX_INDEX_OPTIONS = ("capacity", "min_ngram", "max_ngram", "max_matches")
+"""The options of a ``suffix`` spec that configure its process-wide :class:`~treeserve.ops.suffix.SuffixIndex`;
+the others (``num_draft_tokens``, ``max_nodes``, ``min_probability``) each request's speculator."""
 DEFAULT_SELF_LAYERS = 4
 
 _KIND_KEYS: Mapping[SpeculatorKind, frozenset[str]] = {
     SpeculatorKind.NGRAM: frozenset({"kind", "max_ngram", "min_ngram", "num_draft_tokens", "num_branches"}),
+    SpeculatorKind.SUFFIX: frozenset({"kind", *SUFFIX_INDEX_OPTIONS, "num_draft_tokens", "max_nodes", "min_probability"}),
     SpeculatorKind.SELF: frozenset({"kind", "layers", "expansion"}),
     SpeculatorKind.MODEL: frozenset({"kind", "model", "expansion"}),
     SpeculatorKind.DISTILLED: frozenset({"kind", "path", "index", "expansion"}),
     SpeculatorKind.FEATURE: frozenset({"kind", "path", "expansion", "dynamic"}),
 }
 
-Drafter = Transformer | None
+Drafter = Transformer | SuffixIndex | None
 """What a spec loads once per process: the drafting model (a truncated verifier, another LM,
 a :class:`~treeserve.ops.ssm.DistilledSSM` or a :class:`~treeserve.ops.feature_drafter.FeatureDrafter`),
-or None for the model-free n-gram drafter."""
+the suffix drafter's index (shared by every request of the process), or None for the
+model-free n-gram drafter."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,9 @@ class SpeculatorSpec:
         """Validate one entry of a ``speculators`` config list; ``ValueError`` names the problem.
 
         Options: ``ngram``: ``max_ngram``, ``min_ngram``, ``num_draft_tokens``, ``num_branches``
-        (ints >= 1, all optional). Every other kind needs ``expansion`` (tree widths per depth).
+        (ints >= 1, all optional). ``suffix``: ``capacity``, ``min_ngram``, ``max_ngram``,
+        ``max_matches``, ``num_draft_tokens``, ``max_nodes`` (ints >= 1) and ``min_probability``
+        (0 to 1), all optional (:mod:`treeserve.ops.suffix`). Every other kind needs ``expansion`` (tree widths per depth).
         ``self``: ``layers`` (>= 1). ``model``: ``model`` (registry name, ``.gguf`` or folder).
         ``distilled``: ``path`` (a ``treeserve distill`` file; none is shipped) and ``index``
         (which SSM in it, default 0). ``feature``: ``path`` (a ``treeserve distill-features``
@@ -97,6 +107,17 @@ class SpeculatorSpec:
             for name in ("max_ngram", "min_ngram", "num_draft_tokens", "num_branches"):
                 if name in options:
                     check_int(options[name], f"ngram {name}", minimum=1)
+            return cls(kind, options)
+        if kind is SpeculatorKind.SUFFIX:
+            for name in (*SUFFIX_INDEX_OPTIONS, "num_draft_tokens", "max_nodes"):
+                if name in options:
+                    check_int(options[name], f"suffix {name}", minimum=1)
+            if options.get("min_ngram", 2) > options.get("max_ngram", 6):
+                raise ValueError("a 'suffix' speculator needs min_ngram <= max_ngram")
+            if "min_probability" in options:
+                value = options["min_probability"]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                    raise ValueError(f"suffix min_probability must be a number in [0, 1], got {value!r}")
             return cls(kind, options)
         if "expansion" not in options:
             raise ValueError(f"a {kind.value!r} speculator needs an 'expansion' config, e.g. [1, 1, 3, 1]")
@@ -133,6 +154,8 @@ def parse_speculator(text: str, expansion: Sequence[int] = DEFAULT_EXPANSION) ->
     entry: dict[str, Any]
     if kind == SpeculatorKind.NGRAM and not arg:
         entry = {**NGRAM_OPTIONS, "num_draft_tokens": len(expansion)}
+    elif kind == SpeculatorKind.SUFFIX and not arg:
+        entry = {}
     elif kind == SpeculatorKind.FEATURE:
         entry = {"path": arg or None, "expansion": list(DEFAULT_FEATURE_WIDTHS)}
     elif kind == SpeculatorKind.DISTILLED:
@@ -179,6 +202,8 @@ def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str
     ``model``."""
     if spec.kind is SpeculatorKind.SELF:
         return model.truncated(int(spec.options["layers"]))  # ValueError if too many
+    if spec.kind is SpeculatorKind.SUFFIX:
+        return SuffixIndex(**{k: v for k, v in spec.options.items() if k in SUFFIX_INDEX_OPTIONS})
     if spec.kind is SpeculatorKind.MODEL:
         # In the served format, on the format's kernels, not compiled: a speculator never runs
         # the full model's decode step.
@@ -207,6 +232,10 @@ def make_speculator(spec: SpeculatorSpec, drafter: Drafter, vocab_size: int, cap
     loaded for it, ``capacity`` bounds its KV cache (None: the drafter's ``max_seq_len``)."""
     if spec.kind is SpeculatorKind.NGRAM:
         return NGramSpeculator(vocab_size, **spec.options)
+    if spec.kind is SpeculatorKind.SUFFIX:
+        assert isinstance(drafter, SuffixIndex)
+        return SuffixSpeculator(drafter, vocab_size,
+                                **{k: v for k, v in spec.options.items() if k not in SUFFIX_INDEX_OPTIONS})
     if spec.kind is SpeculatorKind.DISTILLED:
         assert isinstance(drafter, DistilledSSM)
         return DistilledSpeculator(drafter, spec.options["expansion"], capacity=capacity)
@@ -214,7 +243,7 @@ def make_speculator(spec: SpeculatorSpec, drafter: Drafter, vocab_size: int, cap
         assert isinstance(drafter, FeatureDrafter)
         return FeatureSpeculator(drafter, spec.options["expansion"], capacity=capacity,
                                  dynamic=spec.options.get("dynamic"))
-    assert drafter is not None
+    assert isinstance(drafter, Transformer)
     return ModelSpeculator(drafter, spec.options["expansion"], capacity=capacity)
 
 
@@ -227,6 +256,6 @@ def make_speculators(specs: Sequence[SpeculatorSpec], drafters: Sequence[Drafter
 
 
 __all__ = [
-    "DEFAULT_SELF_LAYERS", "NGRAM_OPTIONS", "SPEC_SYNTAX", "Drafter", "SpeculatorKind", "SpeculatorSpec",
+    "DEFAULT_SELF_LAYERS", "NGRAM_OPTIONS", "SUFFIX_INDEX_OPTIONS", "SPEC_SYNTAX", "Drafter", "SpeculatorKind", "SpeculatorSpec",
     "default_speculators", "load_drafter", "make_speculator", "make_speculators", "parse_speculator",
 ]

@@ -7,7 +7,9 @@ prompt ids, for every mode and temperature:
 - ``chain``: sequence-based speculation (:attr:`SpeculationMode.CHAIN`) with one speculator
   (the feature drafter when its weights exist, else the first distilled SSM, else n-gram);
   ``chain:<kind>`` picks the kind;
-- ``tree:ngram``, ``tree:feature`` (the EAGLE-style drafter of ``treeserve.ops.feature_drafter``),
+- ``tree:ngram``, ``tree:suffix`` (``treeserve.ops.suffix``: the suffixes of every earlier request
+  of the run, as one server process would hold them; see below), ``tree:feature`` (the
+  EAGLE-style drafter of ``treeserve.ops.feature_drafter``),
   ``tree:distilled`` (with ``--ssm PATH``, a ``treeserve distill`` file; its SSMs are merged)
   and ``tree:merged`` (every available speculator merged);
 - peers on the same weights and dtype: ``hf-generate`` (``generate()``), ``hf-prompt-lookup``
@@ -21,6 +23,12 @@ verify step in SpecInfer's convention (accepted drafts + the LLM's own token, po
 steps; 1.0 for incremental, null for peers), the ratio of the median to incremental's, and at
 temperature 0 the fraction of prompts whose tokens equal incremental's (treeserve's
 speculation is lossless, so anything below 1.0 for a treeserve mode is a bug or float noise).
+
+The suffix drafter's index is what a server would hold after answering the run's earlier
+prompts at the same temperature, never the same prompt's earlier answers: each temperature has
+its own index, the warm-up a throwaway one. ``--repeat K`` sends the prompt list K times over
+(repetitive traffic: an agent loop or a templated client asking again); then the index holds
+the earlier rounds' answers to the same prompts, which is the point.
 
     python bench/speculative.py --dataset mtbench --limit 10 --json
 """
@@ -54,11 +62,12 @@ from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
+from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
 
 logger = logging.getLogger("bench.speculative")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:feature", "tree:distilled", "tree:merged")
+TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:suffix", "tree:feature", "tree:distilled", "tree:merged")
 PEER_MODES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
 ALL_MODES = TREESERVE_MODES + PEER_MODES
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -89,6 +98,7 @@ class Mode:
     run: Callable[[list[int], SamplingParams], Generated]
     is_treeserve: bool
     detail: str = ""
+    history: Callable[[str], None] | None = None  # switches what a suffix drafter has seen (a key per stream)
 
 
 @dataclass(frozen=True)
@@ -142,14 +152,15 @@ def _from_factory(spec: SpeculatorSpec, model: Transformer) -> Speculator:
 
 def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None = None,
                      with_distilled: bool = True, ssm_path: str | Path | None = None) -> Available:
-    """The n-gram speculator (the server's default options), the shipped feature drafter when it
-    fits ``model``, and the distilled SSMs of ``ssm_path`` (none is shipped).
+    """The n-gram and suffix speculators (the server's options), the shipped feature drafter when
+    it fits ``model``, and the distilled SSMs of ``ssm_path`` (none is shipped).
 
     Any failure of the feature or distilled load is logged and recorded as a skip, never raised.
     """
     available = Available()
     options = NGRAM_OPTIONS if ngram_options is None else ngram_options
     available.speculators["ngram"] = [_from_factory(SpeculatorSpec(SpeculatorKind.NGRAM, dict(options)), model)]
+    available.speculators["suffix"] = [_from_factory(parse_speculator(SpeculatorKind.SUFFIX), model)]
     try:
         available.speculators["feature"] = [_from_factory(parse_speculator(SpeculatorKind.FEATURE), model)]
     except (FileNotFoundError, ValueError) as exc:
@@ -195,6 +206,24 @@ def _speculative_run(model: Transformer, speculators: list[Speculator], mode: Sp
     return run
 
 
+def _suffix_history(speculators: Sequence[Speculator]) -> Callable[[str], None] | None:
+    """For modes with suffix drafters: ``switch(key)`` points them at the index of stream
+    ``key`` (one per temperature, one for the warm-up), made empty on first use."""
+    suffix = [s for s in speculators if isinstance(s, SuffixSpeculator)]
+    if not suffix:
+        return None
+    indexes: dict[str, SuffixIndex] = {}
+
+    def switch(key: str) -> None:
+        for speculator in suffix:
+            template = speculator.index
+            speculator.index = indexes.setdefault(key, SuffixIndex(
+                capacity=template.capacity, min_ngram=template.min_ngram, max_ngram=template.max_ngram,
+                max_matches=template.max_matches))
+
+    return switch
+
+
 def treeserve_modes(model: Transformer, names: Sequence[str], available: Available, *,
                     max_tree_nodes: int = 64, merge: Sequence[str] | None = None) -> list[Mode]:
     """Our modes among ``names``; ones whose speculators are missing are skipped (recorded in ``available``)."""
@@ -221,7 +250,8 @@ def treeserve_modes(model: Transformer, names: Sequence[str], available: Availab
             available.skipped.setdefault(name, f"no {which!r} speculator available")
             continue
         detail = "+".join(type(s).__name__ for s in chosen)
-        modes.append(Mode(name, _speculative_run(model, chosen, spec_mode, max_tree_nodes), True, detail))
+        modes.append(Mode(name, _speculative_run(model, chosen, spec_mode, max_tree_nodes), True, detail,
+                          _suffix_history(chosen)))
     return modes
 
 
@@ -311,6 +341,8 @@ def run_benchmark(modes: Sequence[Mode], prompts: Sequence[tuple[str, list[int]]
         return []
     warm_params = _params(temperatures[0], seed, stop_ids, min(max_tokens, warmup_tokens))
     for mode in modes:
+        if mode.history is not None:
+            mode.history("warm-up")
         started = time.perf_counter()
         mode.run(list(prompts[0][1]), warm_params)
         say(f"warm-up {mode.name}: {time.perf_counter() - started:.1f} s")
@@ -320,6 +352,8 @@ def run_benchmark(modes: Sequence[Mode], prompts: Sequence[tuple[str, list[int]]
         for temperature in temperatures:
             params = _params(temperature, seed + index, stop_ids, max_tokens)
             for mode in order:
+                if mode.history is not None:
+                    mode.history(f"T={temperature:g}")
                 started = time.perf_counter()
                 generated = mode.run(list(ids), params)
                 seconds = time.perf_counter() - started
@@ -405,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ssm", default=None, metavar="PATH",
                         help="distilled SSMs (a `treeserve distill` file) for the distilled modes; none is shipped")
     parser.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each mode's warm-up run")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="send the prompt list K times over (repetitive traffic; round r > 1 ids end in #r)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -466,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(threads)  # the HF peers run in this process, under the same setting
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model_name = args.model or DEFAULT_MODEL
-    loaded = load_model(model_name, dtype=dtype, progress=lambda p: _say(f"{p.stage}: {p.message}"))
+    # The served format (its kernels and compiled decode step); the HF peers run in ``dtype``.
+    loaded = load_model(model_name, weight_format=args.dtype, progress=lambda p: _say(f"{p.stage}: {p.message}"))
     model, tokenizer = loaded.model, loaded.tokenizer
     prompts: list[tuple[str, list[int]]] = []
     for prompt in load_prompts(args.dataset, args.prompts, args.limit):
@@ -475,6 +512,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"skipping prompt {prompt.id}: {len(ids)} tokens + {args.max_tokens} exceed the context")
             continue
         prompts.append((prompt.id, ids))
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    prompts = [(prompt_id if round_ == 0 else f"{prompt_id}#{round_ + 1}", ids)
+               for round_ in range(args.repeat) for prompt_id, ids in prompts]
 
     available = load_speculators(model, with_distilled=any("distilled" in m or m == "tree:merged" for m in requested),
                                  ssm_path=args.ssm)

@@ -4,6 +4,7 @@ and peers skipped or wired without failing. No timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
@@ -104,7 +105,7 @@ def test_greedy_check_catches_a_lossy_verifier(model: Any) -> None:
 def test_distilled_failures_skip_and_several_ssms_merge(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "treeserve.ops.ssm", None)  # import fails
     available = bench.load_speculators(model, ssm_path="ssm.safetensors")
-    assert "tree:distilled" in available.skipped and set(available.speculators) == {"ngram"}
+    assert "tree:distilled" in available.skipped and set(available.speculators) == {"ngram", "suffix"}
     assert [m.name for m in bench.treeserve_modes(model, ["tree:distilled", "tree:ngram"], available)] == ["tree:ngram"]
 
     def no_weights(_model: Any, _path: Any) -> list[Any]:
@@ -131,8 +132,26 @@ def test_distilled_failures_skip_and_several_ssms_merge(model: Any, monkeypatch:
     monkeypatch.setattr(bench, "generate_speculative", spy)
     modes = bench.treeserve_modes(model, ["incremental", "chain", "tree:distilled", "tree:merged"], available)
     measurements = bench.run_benchmark(modes, PROMPTS[:1], [0.0], max_tokens=16, stop_ids=[EOS], warmup_tokens=2)
-    assert calls[-3:] == [(1, SpeculationMode.CHAIN), (2, SpeculationMode.TREE), (3, SpeculationMode.TREE)]
+    # tree:merged: n-gram, suffix and both SSMs.
+    assert calls[-3:] == [(1, SpeculationMode.CHAIN), (2, SpeculationMode.TREE), (4, SpeculationMode.TREE)]
     assert all(r["greedy_matches_incremental"] == 1.0 for r in bench.summarize(measurements, modes))
+
+
+def test_the_suffix_drafter_has_seen_only_earlier_prompts_at_the_same_temperature(model: Any) -> None:
+    """Its index is what a server holds after the run's earlier prompts: never the warm-up's or
+    another temperature's answer to the same prompt; with --repeat, the earlier rounds."""
+    available = bench.load_speculators(model, with_distilled=False)
+    suffix = available.speculators["suffix"][0]
+    mode = bench.treeserve_modes(model, ["tree:suffix"], available)[0]
+    seen: list[int] = []
+
+    def run(ids: list[int], params: Any) -> Any:
+        seen.append(suffix.index.num_sequences)
+        return mode.run(ids, params)
+
+    spied = dataclasses.replace(mode, run=run)
+    bench.run_benchmark([spied], PROMPTS[:2], [0.0, 0.8], max_tokens=8, stop_ids=[EOS], warmup_tokens=2)
+    assert seen == [0, 0, 0, 1, 1]  # warm-up; prompt 1 at T=0 and 0.8; prompt 2 at T=0 and 0.8
 
 
 def test_llama_cpp_mode_resets_before_each_run_and_stops(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,7 @@ PROMPTS = [[5, 9, 11, 30, 7], [40, 41, 42, 43, 40, 41, 42], [3], [60, 61, 62, 63
 SPECULATORS = (
     {"kind": "ngram", "num_draft_tokens": 4},
     {"kind": "self", "layers": 2, "expansion": [1, 2, 1, 1]},
+    {"kind": "suffix", "num_draft_tokens": 8},  # one index per speculator actor, fed by every request
 )
 
 

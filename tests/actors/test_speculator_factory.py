@@ -68,3 +68,26 @@ def test_a_requests_speculators_come_in_spec_order(tmp_path: Path) -> None:
         make_speculators(specs, drafters[:1], model.config.vocab_size)
     with pytest.raises(ValueError):
         load_drafter(parse_speculator(f"self:{model.config.num_layers + 1}", (1,)), model)
+
+
+def test_suffix_specs_share_one_index_per_process(tmp_path: Path) -> None:
+    from treeserve.ops.loaders.load import load_model
+    from treeserve.ops.sampling import SamplingParams
+    from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
+
+    spec = SpeculatorSpec.from_wire({"kind": "suffix", "capacity": 100, "num_draft_tokens": 3, "min_probability": 0.2})
+    assert parse_speculator("suffix", (1, 2)) == SpeculatorSpec(SpeculatorKind.SUFFIX, {})
+    assert SpeculatorSpec.from_wire(spec.to_wire()) == spec
+    model = load_model(tiny.write_tiny_hf_model(tmp_path / "tiny")).model
+    index = load_drafter(spec, model)
+    assert isinstance(index, SuffixIndex) and index.capacity == 100
+    first, second = (make_speculators((spec,), (index,), model.config.vocab_size)[0] for _ in range(2))
+    assert isinstance(first, SuffixSpeculator) and first is not second and first.index is second.index
+    assert first.num_draft_tokens == 3 and first.min_probability == 0.2
+    first.prefill([5, 6, 7, 8, 9])
+    second.prefill([1, 6, 7])  # another request: drafts from the first one's tokens
+    assert second.propose(SamplingParams(), None).tokens.tolist() == [7, 8, 9]
+    for bad in ({"kind": "suffix", "capacity": 0}, {"kind": "suffix", "min_probability": 2},
+                {"kind": "suffix", "min_ngram": 5, "max_ngram": 3}, {"kind": "suffix", "expansion": [1]}):
+        with pytest.raises(ValueError):
+            SpeculatorSpec.from_wire(bad)

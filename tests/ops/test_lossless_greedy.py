@@ -13,6 +13,7 @@ from treeserve.ops.formats import apply_format
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
 from treeserve.ops.speculative import (
     FinishReason,
     SpeculationMode,
@@ -129,6 +130,30 @@ def test_stop_tokens_end_generation_identically(llm: Transformer) -> None:
             result = generate_speculative(llm, speculator_sets(llm)[name], PROMPT, params)
             assert result.token_ids == reference.token_ids, (name, stops)
             assert result.finish_reason is reference.finish_reason
+
+
+def test_the_suffix_drafter_learns_from_earlier_requests_and_stays_lossless(llm: Transformer) -> None:
+    """An earlier request of the same process saw a corrupted copy of this answer (every fifth
+    token wrong) and an unrelated one; the suffix drafter proposes from both, merged with the
+    n-gram drafter, and the output is still the LLM's own, token for token. Then the same
+    request again: its whole answer is proposed from the index and accepted in a few steps."""
+    params = SamplingParams(max_new_tokens=40)
+    reference = generate_incremental(llm, PROMPT, params).token_ids
+    corrupted = [(t + 1) % VOCAB if i % 5 == 4 else t for i, t in enumerate(reference)]
+    index = SuffixIndex()
+    for earlier in (PROMPT + corrupted, [int(t) for t in torch.randint(0, VOCAB, (60,))]):
+        SuffixSpeculator(index, VOCAB).prefill(earlier)
+    first = generate_speculative(llm, [SuffixSpeculator(index, VOCAB), NGramSpeculator(VOCAB)], PROMPT, params)
+    assert first.token_ids == reference
+    again = generate_speculative(llm, [SuffixSpeculator(index, VOCAB), NGramSpeculator(VOCAB)], PROMPT, params)
+    assert again.token_ids == reference
+    assert first.mean_accepted_per_step >= 0.9  # not vacuous: drafts pass (incremental: 0)
+    assert again.mean_accepted_per_step >= 8.0
+    index_fed_wrong = SuffixIndex()
+    SuffixSpeculator(index_fed_wrong, VOCAB).prefill(PROMPT + corrupted)
+    wrong = generate_speculative(llm, [SuffixSpeculator(index_fed_wrong, VOCAB)], PROMPT, params,
+                                 verifier=accept_first_child_regardless)
+    assert wrong.token_ids != reference  # the equality check has power here too
 
 
 def test_single_token_prompt(llm: Transformer) -> None:

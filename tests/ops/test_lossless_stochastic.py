@@ -335,6 +335,16 @@ def feature_and_ngram(llm: Transformer) -> list[Speculator]:
     return [*feature_only(llm), NGramSpeculator(VOCAB, max_ngram=2, num_draft_tokens=2, num_branches=2)]
 
 
+def feature_ngram_and_suffix(llm: Transformer) -> list[Speculator]:
+    """The served default's kinds with the suffix drafter merged last, its index fed by an
+    earlier request (and, draw after draw, by every earlier draw of this test, as a server's)."""
+    from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
+
+    index = SuffixIndex(min_ngram=1)
+    SuffixSpeculator(index, VOCAB).prefill([*PROMPT, 1, 2, 3, 1, 2, 4, 1, 2, 3])
+    return [*feature_and_ngram(llm), SuffixSpeculator(index, VOCAB, min_probability=0.0)]
+
+
 def served_counts(llm: Transformer, speculators: Sequence[Speculator], params: SamplingParams, verifier: VerifyFn,
                   num_draws: int, k: int) -> Tensor:
     """Counts of the first ``k`` tokens of ``generate_speculative`` with ``speculators``."""
@@ -349,7 +359,8 @@ def served_counts(llm: Transformer, speculators: Sequence[Speculator], params: S
     return counts
 
 
-@pytest.mark.parametrize("make_speculators", [distilled_and_ngram, feature_only, feature_and_ngram])
+@pytest.mark.parametrize("make_speculators", [distilled_and_ngram, feature_only, feature_and_ngram,
+                                              feature_ngram_and_suffix])
 def test_served_kinds_at_temperature_0_8_match_the_llm_distribution(make_speculators) -> None:  # type: ignore[no-untyped-def]
     llm = tiny_model(0, num_layers=2)
     params = SamplingParams(temperature=0.8, max_new_tokens=2)  # no top-k / top-p: the full vocabulary
