@@ -28,6 +28,7 @@ from treeserve.ops.feature_drafter import (
     FeatureSpeculator,
     load_feature_drafter,
 )
+from treeserve.ops.format_names import AUTO_FORMAT, WeightFormat
 from treeserve.ops.loaders.load import load_model
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
 from treeserve.ops.model import Transformer
@@ -53,6 +54,8 @@ SPEC_SYNTAX = "ngram | suffix | feature[:PATH] | distilled:PATH | self[:LAYERS] 
 """The spec strings :func:`parse_speculator` accepts (``none`` for no speculation is the caller's)."""
 NGRAM_OPTIONS: Mapping[str, int] = {"max_ngram": 3, "num_draft_tokens": 8, "num_branches": 2}
 """The default n-gram drafter: model-free and nearly free to run."""
+INT_FORMATS = (WeightFormat.Q4_1.value, WeightFormat.INT8.value)
+"""The formats whose default speculators are the model-free ones (see :func:`default_speculators`)."""
 SUFFIX_INDEX_OPTIONS = ("capacity", "min_ngram", "max_ngram", "max_matches")
 """The options of a ``suffix`` spec that configure its process-wide :class:`~treeserve.ops.suffix.SuffixIndex`;
 the others (``num_draft_tokens``, ``max_nodes``, ``min_probability``) each request's speculator."""
@@ -176,17 +179,28 @@ def parse_speculator(text: str, expansion: Sequence[int] = DEFAULT_EXPANSION) ->
     return SpeculatorSpec.from_wire({"kind": kind, **entry})
 
 
-def default_speculators(model: str) -> tuple[SpeculatorSpec, ...]:
-    """The speculators a server runs unless told otherwise: the n-gram drafter, merged with the
-    shipped feature-level drafter when ``model`` is the default model it was trained for.
+def default_speculators(model: str, weight_format: str | None = None, device: str = "cpu") -> tuple[SpeculatorSpec, ...]:
+    """The speculators a server runs unless told otherwise.
 
-    The feature drafter comes first: at a tree node, multi-step speculative sampling tries the
-    proposals in speculator order, and a rejected n-gram point mass tried first would leave
-    the better drafter's draws to be judged against the residual distribution (temperature
-    0.8, MT-Bench, bench/RESULTS.md: 1.07x incremental feature-first vs 0.97x n-gram-first;
-    greedy is unaffected). Small tree budgets go to the first speculator as well. A self-drafter
-    (the verifier's first K layers) agrees too rarely with the full model to pay for its
-    forwards on this model, so it is opt-in."""
+    In the int formats (``q4_1``, the CPU default that ``auto`` picks, and ``int8``): the suffix
+    drafter, then the n-gram drafter, both model-free. There the verify step is fast enough that
+    the feature drafter's own forwards cost more than the tokens it wins at batch 1 (q4_1,
+    bench/RESULTS.md, 10 prompts of MT-Bench, GSM8K and HumanEval at temperatures 0 and 0.8:
+    suffix + n-gram 0.92-1.77x incremental decoding; feature + n-gram + suffix 0.63-1.12x;
+    the feature drafter alone 0.63-0.92x).
+
+    Otherwise (float32, bfloat16, or ``weight_format`` None: unknown) the n-gram drafter,
+    merged with the shipped feature-level drafter when ``model`` is the default model it was
+    trained for. The feature drafter comes first: at a tree node, multi-step speculative
+    sampling tries the proposals in speculator order, and a rejected n-gram point mass tried
+    first would leave the better drafter's draws to be judged against the residual distribution
+    (temperature 0.8, MT-Bench, bench/RESULTS.md: 1.07x incremental feature-first vs 0.97x
+    n-gram-first; greedy is unaffected). Small tree budgets go to the first speculator as well.
+    A self-drafter (the verifier's first K layers) agrees too rarely with the full model to pay
+    for its forwards on this model, so it is opt-in."""
+    int_format = weight_format in INT_FORMATS or (weight_format == AUTO_FORMAT and device == "cpu")
+    if int_format:
+        return (SpeculatorSpec(SpeculatorKind.SUFFIX, {}), SpeculatorSpec(SpeculatorKind.NGRAM, dict(NGRAM_OPTIONS)))
     specs = [SpeculatorSpec(SpeculatorKind.NGRAM, dict(NGRAM_OPTIONS))]
     if model == DEFAULT_MODEL and DEFAULT_FEATURE_DRAFTER_FILE.is_file():
         specs.insert(0, SpeculatorSpec(SpeculatorKind.FEATURE, {"path": None, "expansion": DEFAULT_FEATURE_WIDTHS}))

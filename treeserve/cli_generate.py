@@ -89,12 +89,12 @@ def generate_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def generate_speculators(args: argparse.Namespace) -> tuple[SpeculatorSpec, ...]:
-    """The server's default speculators for the model (feature drafter first, see
+    """The server's default speculators for the model and format (see
     :func:`~treeserve.actors.speculator_factory.default_speculators`), then ``--draft-layers``'
     self-drafter; none for ``--speculate none``."""
     if args.speculate == Speculate.NONE:
         return ()
-    specs = default_speculators(model_name(args))
+    specs = default_speculators(model_name(args), args.dtype, args.device)
     if args.draft_layers:
         try:
             specs += (parse_speculator(f"self:{args.draft_layers}", parse_expansion(args.expansion)),)

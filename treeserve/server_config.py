@@ -105,7 +105,7 @@ class ServerConfig:
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None (config entries)."""
         if self.speculators is None:
-            return tuple(spec.to_wire() for spec in default_speculators(self.model))
+            return tuple(spec.to_wire() for spec in default_speculators(self.model, self.dtype, self.device))
         return self.speculators
 
     def speculator_specs(self) -> tuple[SpeculatorSpec, ...]:

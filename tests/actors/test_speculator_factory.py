@@ -45,6 +45,14 @@ def test_spec_strings_parse_to_validated_specs_that_round_trip() -> None:
         parse_speculator("magic", expansion)
 
 
+def test_int_formats_default_to_the_model_free_drafters() -> None:
+    expected = [SpeculatorKind.SUFFIX, SpeculatorKind.NGRAM]
+    for fmt in ("q4_1", "int8", "auto"):
+        assert [s.kind for s in default_speculators(DEFAULT_MODEL, fmt)] == expected
+    assert [s.kind for s in default_speculators(DEFAULT_MODEL, "auto", "cuda:0")] != expected  # auto is bf16 there
+    assert [s.kind for s in default_speculators("some/other/model", "bfloat16")] == [SpeculatorKind.NGRAM]
+
+
 def test_default_speculators_put_the_feature_drafter_first() -> None:
     assert [s.kind for s in default_speculators("some/other/model")] == [SpeculatorKind.NGRAM]
     kinds = [s.kind for s in default_speculators(DEFAULT_MODEL)]
