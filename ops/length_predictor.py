@@ -128,6 +128,71 @@ def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
     return out
 
 
+def prompt_hidden_batch(model: Transformer, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """:func:`prompt_hidden` of several prompts in one padded causal prefill: ``[(T_i, D)]``.
+
+    Prompts are right-padded to the longest: a causal chain never lets a prompt's tokens attend
+    to the padding after them, so each prompt's states are its own prefill's up to float
+    rounding (the batch changes the kernels' summation order; the tests bound the difference).
+    """
+    import torch
+
+    if not prompts or any(not p for p in prompts):
+        raise PredictorError("prompt_hidden_batch needs at least one prompt, none of them empty")
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # (B, T): pad id 0, never attended
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    cache = model.new_cache(len(prompts), longest)
+    with torch.inference_mode():
+        h = model.embed_tokens(ids.to(model.device))  # (B, T, D)
+        h = model.norm(model.run_blocks(h, cache, None, None))
+    out = h.float().cpu().numpy()
+    return [out[row, : len(prompt)] for row, prompt in enumerate(prompts)]
+
+
+def padded_batches(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for padded prefills: sorted by length, and a group grows
+    while its padded size ``count * longest`` stays within ``(1 + max_padding)`` of its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= (1 + max_padding) * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
+def features_batch(spec: FeatureSpec, prompts: Sequence[Sequence[int]], model: Transformer | None = None) -> np.ndarray:
+    """:func:`features` of several prompts ``(N, F)``; ``hidden`` ones run in padded prefills of
+    similar lengths (:func:`padded_batches`), not one prefill per prompt."""
+    if not prompts:
+        raise PredictorError("features_batch needs at least one prompt")
+    if spec.kind != "hidden" or len(prompts) == 1:
+        return np.stack([features(spec, p, model) for p in prompts])
+    if any(not p for p in prompts):
+        raise PredictorError("prompt_ids must not be empty")
+    _check_hidden_model(spec, model)
+    assert model is not None
+    rows: dict[int, np.ndarray] = {}
+    for group in padded_batches([len(p) for p in prompts]):
+        for i, hidden in zip(group, prompt_hidden_batch(model, [prompts[i] for i in group])):
+            rows[i] = pooled_hidden_features(hidden)
+    return np.stack([rows[i] for i in range(len(prompts))])
+
+
+def _check_hidden_model(spec: FeatureSpec, model: Transformer | None) -> None:
+    if model is None:
+        raise PredictorError("hidden features need the served model (pass model=...)")
+    if model.config.num_layers != spec.num_layers:
+        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
+                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
+
+
 def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
     """The feature vector of one prompt under ``spec`` (``model``: the truncated model for ``hidden``)."""
     if not prompt_ids:
@@ -138,11 +203,8 @@ def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | 
         return token_features(prompt_ids, spec.num_buckets)
     if spec.kind == "lookup":
         return np.array([prompt_key(prompt_ids)])
-    if model is None:
-        raise PredictorError("hidden features need the served model (pass model=...)")
-    if model.config.num_layers != spec.num_layers:
-        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
-                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
+    _check_hidden_model(spec, model)
+    assert model is not None
     return pooled_hidden_features(prompt_hidden(model, prompt_ids))
 
 
@@ -265,6 +327,10 @@ class Predictor:
     def prompt_features(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """The feature vector of one prompt (``hidden`` predictors need :meth:`bind` first)."""
         return features(self.spec, prompt_ids, self._truncated)
+
+    def prompt_features_batch(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """:meth:`prompt_features` of several prompts ``(N, F)``, in padded batched prefills."""
+        return features_batch(self.spec, prompts, self._truncated)
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
