@@ -72,12 +72,13 @@ class SchedulerActor(Actor):
     :class:`~treeserve.actors.length_predictor.LengthPredictorActor`: with a policy that orders
     by predicted length, each request is queued the moment it arrives, keyed by ``max_tokens``
     (or ``min(length_hint, max_tokens)`` when its client sent a hint; such a request is not
-    predicted), and re-keyed by ``min(prediction, max_tokens)`` when its prediction lands (batched,
-    off the admission path; a request that finds a free row never waits for it), and every ended
-    request that was predicted is reported to it so it can learn online. ``generate`` streams ``{"token_ids": [...]}`` items
-    and a last item with ``"done": true`` and the request's statistics; cancelling the stream
-    removes the request and frees its KV row. ``clock`` is injectable for tests. ``observer``
-    (optional) is told every step and every finished request (``scheduler_observer.py``: metrics).
+    predicted), and re-keyed by ``min(prediction, max_tokens)`` when its prediction lands
+    (batched, off the admission path: a request that finds a free row never waits for it);
+    every ended request that was predicted is reported to it so it can learn online.
+    ``generate`` streams ``{"token_ids": [...]}`` items and a last item with ``"done": true``
+    and the request's statistics; cancelling the stream removes the request and frees its KV
+    row. ``clock`` is injectable for tests. ``observer`` (optional) is told every step and every
+    finished request (``scheduler_observer.py``: metrics).
     """
 
     max_concurrency = 65536
