@@ -407,7 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder with the <dataset>.jsonl prompt files (fetch.py, synthetic.py)")
     parser.add_argument("--features", default="hidden@12",
                         help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
-    parser.add_argument("--head", default="rank", choices=HEADS,
+    parser.add_argument("--head", default="ordinal", choices=HEADS,
                         help="rank: pairwise ranking loss on top of ridge; ordinal: proportional-odds model of the "
                              "length buckets; ridge: regression on log length (the other heads are reported too)")
     parser.add_argument("--compare", nargs="*", default=["hidden@4", "hidden@8", "prompt_len", "tokens@1024"],
