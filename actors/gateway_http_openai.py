@@ -41,7 +41,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the rest of the context)."""
 
 _DEFAULT_TEMPERATURE = 1.0  # OpenAI's; the wire's default is greedy
-_EXTENSION_KEYS = frozenset({"speculate", "top_k", "stop_token_ids", "parse_special_tokens"})
+_EXTENSION_KEYS = frozenset({"speculate", "top_k", "stop_token_ids", "parse_special_tokens", "length_hint"})
 _COMMON_KEYS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
                           "stream_options", "user", "treeserve"})
 # Fields treeserve does not implement, accepted only with the value that asks for nothing.

@@ -37,6 +37,7 @@ __all__ = [
 
 DEFAULT_MAX_TOKENS = 128
 _MAX_SEED = 2**63 - 1
+_MAX_LENGTH_HINT = 2**31  # exclusive; a hint above max_tokens is allowed (it caps nothing)
 _MAX_MESSAGES = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -73,6 +74,7 @@ GENERATE_FIELDS: frozenset[str] = frozenset(
         "stop",
         "speculate",
         "parse_special_tokens",
+        "length_hint",
     }
 )
 """Every field a ``generate`` body may carry; any other key is refused."""
@@ -106,7 +108,9 @@ class GenerateRequest:
     ``stop_token_ids`` are extra stops added to the tokenizer's own; ``stop`` are strings that
     end the generation where they first appear in its text (the text stops before them).
     ``parse_special_tokens``: special-token strings in ``prompt`` and message contents become
-    control tokens; False (the default): they are tokenized as the plain text they are."""
+    control tokens; False (the default): they are tokenized as the plain text they are.
+    ``length_hint``: the client's expected output tokens (None: it gave none); a server that
+    orders by output length reads ``min(length_hint, max_tokens)`` instead of predicting."""
 
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
@@ -120,6 +124,7 @@ class GenerateRequest:
     speculate: Speculate
     stop: tuple[str, ...] = ()
     parse_special_tokens: bool = False
+    length_hint: int | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -227,7 +232,8 @@ def parse_generate(
     ``top_k`` nil or an int ``>= 1``; ``seed`` nil or an int in ``[0, 2**63)``;
     ``stop_token_ids`` ids in the vocabulary; ``stop`` a str or an array of at most 16
     non-empty strings of at most 256 characters; ``speculate`` one of tree/chain/none;
-    ``parse_special_tokens`` a bool (default false)."""
+    ``parse_special_tokens`` a bool (default false); ``length_hint`` nil or an int in
+    ``[1, 2**31)``."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the generate body must be a map, got {wire_type(body)}")
     _keys(body, "the generate body's")
@@ -293,6 +299,9 @@ def parse_generate(
     parse_special_tokens = _field(body, "parse_special_tokens", False)
     if type(parse_special_tokens) is not bool:
         raise InvalidRequest(f"'parse_special_tokens' must be a bool, got {wire_type(parse_special_tokens)}")
+    length_hint = body.get("length_hint")
+    if length_hint is not None and (not _is_int(length_hint) or not 1 <= length_hint < _MAX_LENGTH_HINT):
+        raise InvalidRequest(f"'length_hint' must be nil or an int in [1, 2^31), got {_shown(length_hint, int)}")
     return GenerateRequest(
         prompt=prompt,
         messages=messages,
@@ -306,6 +315,7 @@ def parse_generate(
         speculate=Speculate(speculate_value),
         stop=stop,
         parse_special_tokens=parse_special_tokens,
+        length_hint=length_hint,
     )
 
 

@@ -99,7 +99,8 @@ def prompt_ids_for(tokenizer: TokenizerLike, req: GenerateRequest, context_lengt
 
 def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> dict[str, Any]:
     """The scheduler's ``generate`` body (:class:`~treeserve.actors.messages_gateway.GenerateBody`,
-    fresh ``request_id``; the tokenizer's ``stop_ids`` plus the request's own stop ids)."""
+    fresh ``request_id``; the tokenizer's ``stop_ids`` plus the request's own stop ids; the
+    client's ``length_hint``, if any)."""
     params = SamplingParams(
         temperature=req.temperature,
         top_k=req.top_k,
@@ -108,7 +109,7 @@ def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequen
         stop_token_ids=tuple(sorted(set(stop_ids) | set(req.stop_token_ids))),
         max_new_tokens=req.max_tokens,
     )
-    return GenerateBody(uuid.uuid4().hex, tuple(prompt_ids), params, req.speculate).to_wire()
+    return GenerateBody(uuid.uuid4().hex, tuple(prompt_ids), params, req.speculate, req.length_hint).to_wire()
 
 
 class StopMatcher:

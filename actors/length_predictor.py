@@ -1,6 +1,6 @@
 """``LengthPredictorActor``: the SSJF proxy model as an actor that predicts output lengths.
 
-The scheduler asks it for every queued request (``ssjf`` and ``hrrn`` order by predicted
+The scheduler asks it for every request without a client length hint (``ssjf`` and ``hrrn`` order by predicted
 service) and tells it how each request ended, so the head can learn online.
 
 Config dict::
@@ -19,6 +19,10 @@ ridge re-solve every few requests). Handlers:
 * ``predict {"request_id", "prompt_ids"}`` -> ``{"predicted_len": float}``: predicted output
   tokens (clipped to ``[1, predictor cap]``). The features are kept (at most ``max_pending``
   requests, oldest dropped first) until ``observe`` for that request.
+* ``predict_batch {"requests": [{"request_id", "prompt_ids"}, ...]}`` ->
+  ``{"predicted_lens": [float, ...]}``: ``predict`` of several requests in one call, their
+  ``hidden`` features in padded batched prefills (the scheduler sends the requests that arrived
+  while its previous call ran).
 * ``observe {"request_id", "num_generated_tokens", "is_censored"}`` -> None: the request
   ended. ``is_censored`` means the length is only a lower bound (stopped by ``max_tokens``
   below the predictor's own cap, or cancelled); such requests teach nothing and are dropped.
@@ -35,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
 from treeserve.actors.model_host import (
     SerialOffload,
     check_device,
@@ -129,6 +133,14 @@ class LengthPredictorActor(Actor):
         return PredictReply(value).to_wire()
 
     @handler
+    async def predict_batch(self, body: Any) -> dict[str, list[float]]:
+        """Predicted output tokens of several chat-templated prompts, in order."""
+        call = PredictBatchBody.from_wire(body, self._vocab_size)
+        values = await self._offload.run(self._predict_many, [r.request_id for r in call.requests],
+                                         [list(r.prompt_ids) for r in call.requests])
+        return PredictBatchReply(tuple(values)).to_wire()
+
+    @handler
     async def observe(self, body: Any) -> None:
         """Learn from one ended request (``is_censored`` ones are only forgotten)."""
         report = LengthReport.from_wire(body)
@@ -146,14 +158,18 @@ class LengthPredictorActor(Actor):
         return self._predictor
 
     def _predict(self, request_id: str, prompt: list[int]) -> float:
+        return self._predict_many([request_id], [prompt])[0]
+
+    def _predict_many(self, request_ids: list[str], prompts: list[list[int]]) -> list[float]:
         predictor = self._loaded_predictor()
-        x = predictor.prompt_features(prompt)
-        self._pending[request_id] = x
-        self._pending.move_to_end(request_id)
+        x = predictor.prompt_features_batch(prompts)  # (N, F)
+        for request_id, row in zip(request_ids, x):
+            self._pending[request_id] = row
+            self._pending.move_to_end(request_id)
         while len(self._pending) > self.config.max_pending:
             self._pending.popitem(last=False)
-        self._counters["num_predicted"] += 1
-        return float(predictor.predict_features(x))
+        self._counters["num_predicted"] += len(request_ids)
+        return [float(v) for v in np.atleast_1d(predictor.predict_features(x))]
 
     def _observe(self, request_id: str, num_tokens: int, censored: bool) -> None:
         x = self._pending.pop(request_id, None)

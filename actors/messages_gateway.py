@@ -15,27 +15,33 @@ from treeserve.ops.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class GenerateBody:
-    """The scheduler's ``generate {"request_id"?, "prompt_ids", "params"?, "speculate"?}`` body.
+    """The scheduler's ``generate {"request_id"?, "prompt_ids", "params"?, "speculate"?,
+    "length_hint"?}`` body.
 
     ``params`` are the request's sampling params, with the one temperature rule applied
     (``transport/PROTOCOL.md`` 11.3: below the smallest sampling temperature is greedy, so no
-    row's scaled logits overflow); ``request_id`` None: the scheduler names the request."""
+    row's scaled logits overflow); ``request_id`` None: the scheduler names the request;
+    ``length_hint`` (an int >= 1, or None/absent) is the client's expected output tokens, which a
+    length-ordered scheduler reads instead of predicting (``PROTOCOL.md`` 11.3)."""
 
     request_id: str | None
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     speculate: Speculate = Speculate.TREE
+    length_hint: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"prompt_ids": list(self.prompt_ids), "params": params_to_wire(self.params),
-                "speculate": self.speculate.value}
+        wire: dict[str, Any] = {"prompt_ids": list(self.prompt_ids), "params": params_to_wire(self.params),
+                                "speculate": self.speculate.value}
+        if self.length_hint is not None:
+            wire["length_hint"] = self.length_hint
         return wire if self.request_id is None else {"request_id": self.request_id, **wire}
 
     @classmethod
     def from_wire(cls, body: Any, vocab_size: int) -> GenerateBody:
         if not isinstance(body, Mapping):
             raise ValueError("generate body must be a map")
-        unknown = set(body) - {"request_id", "prompt_ids", "params", "speculate"}
+        unknown = set(body) - {"request_id", "prompt_ids", "params", "speculate", "length_hint"}
         if unknown:
             raise ValueError(f"unknown generate fields: {sorted(map(str, unknown))}")
         prompt = body.get("prompt_ids")
@@ -50,9 +56,13 @@ class GenerateBody:
         speculate = body.get("speculate", Speculate.TREE.value)
         if speculate not in tuple(Speculate):
             raise ValueError(f"speculate must be one of {tuple(m.value for m in Speculate)}, got {speculate!r}")
+        length_hint = body.get("length_hint")
+        if length_hint is not None and (isinstance(length_hint, bool) or not isinstance(length_hint, int)
+                                        or length_hint < 1):
+            raise ValueError(f"length_hint must be an int >= 1, got {length_hint!r}")
         request_id = body.get("request_id")
         return cls(request_id if isinstance(request_id, str) and request_id else None, tuple(prompt), params,
-                   Speculate(speculate))
+                   Speculate(speculate), length_hint)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The bodies between the scheduler and the length predictor: ``predict`` (and its reply) and
-``observe`` (see :mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+"""The bodies between the scheduler and the length predictor: ``predict`` and ``predict_batch``
+(and their replies) and ``observe`` (see :mod:`~treeserve.actors.messages` for the contract every body keeps)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,44 @@ class PredictReply:
 
 
 @dataclass(frozen=True)
+class PredictBatchBody:
+    """``predict_batch {"requests": [{"request_id", "prompt_ids"}, ...]}``: the predicted output
+    lengths of several prompts in one call (the scheduler batches the requests that arrived
+    while the previous call ran). At least one request; ids need not be unique."""
+
+    requests: tuple[PredictBody, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"requests": [r.to_wire() for r in self.requests]}
+
+    @classmethod
+    def from_wire(cls, body: Any, vocab_size: int) -> PredictBatchBody:
+        body = check_body(body, ("requests",))
+        requests = body["requests"]
+        if not isinstance(requests, list) or not requests:
+            raise ValueError("requests must be a non-empty list of {request_id, prompt_ids}")
+        return cls(tuple(PredictBody.from_wire(r, vocab_size) for r in requests))
+
+
+@dataclass(frozen=True)
+class PredictBatchReply:
+    """``{"predicted_lens": [float, ...]}``: predicted output tokens, one per request, in order."""
+
+    predicted_lens: tuple[float, ...]
+
+    def to_wire(self) -> dict[str, list[float]]:
+        return {"predicted_lens": list(self.predicted_lens)}
+
+    @classmethod
+    def from_wire(cls, reply: Any, num_requests: int) -> PredictBatchReply:
+        values = reply.get("predicted_lens") if isinstance(reply, Mapping) else None
+        if (not isinstance(values, list) or len(values) != num_requests
+                or any(isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) for v in values)):
+            raise MalformedReply(f"the length predictor answered {reply!r}, not {num_requests} finite 'predicted_lens'")
+        return cls(tuple(float(v) for v in values))
+
+
+@dataclass(frozen=True)
 class LengthReport:
     """``observe {"request_id", "num_generated_tokens", "is_censored"}``: how long a request
     really ran, for a length predictor that learns online (``is_censored``: the request ended
@@ -71,4 +109,4 @@ class LengthReport:
                    check_int(body["num_generated_tokens"], "num_generated_tokens"), censored)
 
 
-__all__ = ["LengthReport", "PredictBody", "PredictReply"]
+__all__ = ["LengthReport", "PredictBatchBody", "PredictBatchReply", "PredictBody", "PredictReply"]

@@ -35,7 +35,18 @@ requests finish and free their rows).
 
 The bound involves neither r's predicted nor its true length beyond the deadline's scale, and
 ``max_tokens`` caps the predicted length, so no prediction can push a deadline past
-``max_wait_s``. ``tests/actors/test_policy_aging.py`` checks the bound under an endless stream
+``max_wait_s``.
+
+Predictions that land after queueing. The scheduler queues a request at once on its longest
+possible size (``max_tokens``, or its client's length hint) and re-keys it (``update``) when
+the predictor answers, ``L`` seconds later. ``update`` only lets the size shrink, so r's
+deadline moves from ``a_r + max_wait_s * min(1, S_prior / aging_tokens)`` to the earlier
+``d_r``, never later: a promoted request stays promoted, every deadline in force stays at most
+``a_r + max_wait_s``, and r is promoted by ``min(a_r + max_wait_s, max(d_r, a_r + L)) + dt``.
+The argument above holds with that promotion time in place of ``d_r + dt``; in particular r still
+waits at most ``max_wait_s + dt * (1 + A_r)`` with a row free at every call, and still no request
+arriving more than ``max_wait_s`` after r is admitted before it (its deadline in force is past
+its arrival, which is past every deadline r ever had). ``tests/actors/test_policy_aging.py`` checks the bound under an endless stream
 of short requests, and that orders which let a promoted request be passed over (no promotion,
 or unpromoted requests consulted first) starve the long one.
 """

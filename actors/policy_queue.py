@@ -7,7 +7,7 @@ touches torch or sockets, and orders the *waiting* queue only. Each step the sch
 row (the scheduler refuses one that never fits at submission), so the policy hands out the
 rows in its priority order and nothing is skipped.
 
-Costs: heaps with lazy deletion, O(log n) amortised per add, remove and selected request.
+Costs: heaps with lazy deletion, O(log n) amortised per add, update, remove and selected request.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class SchedulingPolicy(Protocol):
     """Orders the waiting queue; pure and deterministic, with the clock injected as ``now``.
 
     ``add`` queues a request (a duplicate id is a ``ValueError``); ``remove`` drops a queued
-    request (cancelled while waiting) and says whether it was queued; ``select`` takes up to
+    request (cancelled while waiting) and says whether it was queued; ``update`` re-keys a
+    queued request whose prediction arrived after it was queued (:meth:`QueuePolicy.update`
+    states what may change) and says whether it was queued; ``select`` takes up to
     ``max_count`` requests (the free rows) off the queue in priority order at ``now``;
     ``pop_next`` is ``select`` of one.
     """
@@ -75,6 +77,8 @@ class SchedulingPolicy(Protocol):
     def add(self, request: QueuedRequest, now: float) -> None: ...
 
     def remove(self, request_id: str) -> bool: ...
+
+    def update(self, request: QueuedRequest) -> bool: ...
 
     def pop_next(self, now: float) -> QueuedRequest | None: ...
 
@@ -129,6 +133,37 @@ class QueuePolicy(ABC):
         """Drop a queued request; ``False`` when it was not queued (already admitted)."""
         if self._slots.pop(request_id, None) is None:
             return False
+        self._maybe_compact()
+        return True
+
+    def update(self, request: QueuedRequest) -> bool:
+        """Re-key a queued request (its length prediction arrived after it was queued); ``False``
+        when it is no longer queued (admitted or removed meanwhile: nothing to do).
+
+        Only the prediction may change, and only downwards: ``request.predicted_service`` must
+        not exceed the queued one's (a request is queued on the longest it can be, its
+        ``max_tokens`` or its client's hint, until the prediction lands). So an aging deadline
+        (:mod:`treeserve.actors.policy_aging`) only ever moves earlier, and a promoted request
+        stays promoted. The arrival, and with it the aging clock, and the add order (the final
+        tie-break) are kept. Anything else is a ``ValueError`` naming the difference.
+        """
+        slot = self._slots.get(request.request_id)
+        if slot is None:
+            return False
+        old = slot.request
+        if (request.arrival_s, request.prompt_len, request.max_tokens, request.true_len) != (
+                old.arrival_s, old.prompt_len, old.max_tokens, old.true_len):
+            raise ValueError(f"update may change only the prediction of {request.request_id!r}: "
+                             f"queued {old}, got {request}")
+        if request.predicted_service > old.predicted_service:
+            raise ValueError(f"update may only shorten {request.request_id!r}'s predicted service "
+                             f"({old.predicted_service} -> {request.predicted_service}): deadlines never move later")
+        self._check_request(request)
+        # A new placement token: heap items of the old key are stale and dropped when they surface.
+        slot = Slot(request, slot.order, self._num_placements)
+        self._num_placements += 1
+        self._slots[request.request_id] = slot
+        self._num_heap_items += self._index(slot)
         self._maybe_compact()
         return True
 

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from treeserve.actors.messages_gateway import FinishBody, GenerateBody
-from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody
 from treeserve.actors.messages_speculator import RequestRelease, StartBody
 from treeserve.actors.messages_verifier import PrefillRow, StepRow
 from treeserve.actors.scheduler_core import RequestState, SchedulerCore, prefill_chunks
@@ -70,12 +70,15 @@ class SchedulerActor(Actor):
     Constructed in the head process with the config, the verifier shards' refs (rank order)
     and the speculator actors' refs, and optionally a
     :class:`~treeserve.actors.length_predictor.LengthPredictorActor`: with a policy that orders
-    by predicted length, each request is queued with ``min(prediction, max_tokens)`` (without a
-    predictor, or when it fails, the policy assumes ``max_tokens``), and every ended request is
-    reported to it so it can learn online. ``generate`` streams ``{"token_ids": [...]}`` items
-    and a last item with ``"done": true`` and the request's statistics; cancelling the stream
-    removes the request and frees its KV row. ``clock`` is injectable for tests. ``observer``
-    (optional) is told every step and every finished request (``scheduler_observer.py``: metrics).
+    by predicted length, each request is queued the moment it arrives, keyed by ``max_tokens``
+    (or ``min(length_hint, max_tokens)`` when its client sent a hint; such a request is not
+    predicted), and re-keyed by ``min(prediction, max_tokens)`` when its prediction lands
+    (batched, off the admission path: a request that finds a free row never waits for it);
+    every ended request that was predicted is reported to it so it can learn online.
+    ``generate`` streams ``{"token_ids": [...]}`` items and a last item with ``"done": true``
+    and the request's statistics; cancelling the stream removes the request and frees its KV
+    row. ``clock`` is injectable for tests. ``observer`` (optional) is told every step and every
+    finished request (``scheduler_observer.py``: metrics).
     """
 
     max_concurrency = 65536
@@ -104,9 +107,13 @@ class SchedulerActor(Actor):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[Any] | None = None
         self._ids = itertools.count()
+        self._to_predict: list[RequestState] = []  # arrival order; may hold requests that ended since
+        self._predict_wake = asyncio.Event()
 
     async def on_start(self) -> None:
         self._loop_task = self.tasks.start(self._run(), "step-loop")
+        if self.predictor is not None:
+            self.tasks.start(self._predict_loop(), "predict-loop")
 
     async def on_stop(self) -> None:
         await self.tasks.aclose(timeout_s=5.0)  # the step loop first: nothing may run after the failures below
@@ -120,16 +127,16 @@ class SchedulerActor(Actor):
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         request_id = call.request_id or f"req-{next(self._ids)}"
-        req = self.core.submit(request_id, list(call.prompt_ids), call.params, call.speculate, now=self.clock())
+        req = self.core.submit(request_id, list(call.prompt_ids), call.params, call.speculate, now=self.clock(),
+                               length_hint=call.length_hint)
         outbox: Outbox = asyncio.Queue()
         self._outboxes[req.request_id] = outbox
         try:
-            try:
-                predicted = await self._predict(req)  # aging counts from arrival: this is waiting too
-            except BaseException:
-                self.core.withdraw(req)
-                raise
-            self.core.enqueue(req, predicted)
+            # Queued at once (a free row admits it at the next plan); its prediction re-keys it later.
+            self.core.enqueue(req)
+            if self.predictor is not None and req.length_hint is None:
+                self._to_predict.append(req)
+                self._predict_wake.set()
             self._wake.set()
             while True:
                 try:
@@ -173,22 +180,45 @@ class SchedulerActor(Actor):
         return {**self.core.snapshot(), "has_predictor": self.predictor is not None}
 
     # ------------------------------------------------------------------ length prediction
-    async def _predict(self, req: RequestState) -> float | None:
-        """``min(predicted length, max_tokens)``, or None without a (working) predictor."""
-        if self.predictor is None:
-            return None
+    async def _predict_loop(self) -> None:
+        """Predict the lengths of new requests, one batch at a time, off the admission path.
+
+        Requests that arrive while a batch runs make up the next one, so under a burst the
+        predictor sees few large calls, not one call per request. Queued requests go first
+        (their prediction decides their order); running ones only feed the summary and the
+        predictor's online learning, and ended ones are dropped."""
+        while True:
+            await self._predict_wake.wait()
+            self._predict_wake.clear()
+            while batch := self._next_prediction_batch():
+                await self._predict_batch(batch)
+
+    def _next_prediction_batch(self) -> list[RequestState]:
+        self._to_predict = [r for r in self._to_predict if self.core.is_open(r)]
+        ordered = sorted(self._to_predict, key=lambda r: not self.core.is_queued(r))  # stable: arrival order
+        batch = ordered[: self.config.max_predict_batch]
+        taken = {id(r) for r in batch}
+        self._to_predict = [r for r in self._to_predict if id(r) not in taken]
+        return batch
+
+    async def _predict_batch(self, batch: Sequence[RequestState]) -> None:
+        """Ask the predictor for ``batch`` and re-key those still queued; on a failure they keep
+        their keys (``max_tokens``) and serving goes on."""
+        assert self.predictor is not None
+        body = PredictBatchBody(tuple(PredictBody(r.request_id, tuple(r.prompt_ids)) for r in batch))
         try:
-            reply = await self.predictor.ask("predict", PredictBody(req.request_id, tuple(req.prompt_ids)).to_wire(),
-                                             timeout=self.config.predict_timeout_s)
-            value = PredictReply.from_wire(reply).predicted_len
+            reply = await self.predictor.ask("predict_batch", body.to_wire(), timeout=self.config.predict_timeout_s)
+            values = PredictBatchReply.from_wire(reply, len(batch)).predicted_lens
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any predictor fault degrades to "no prediction"
-            self.core.stats.num_predictor_failures += 1
-            log.warning("length prediction failed for %s (%s); queued as max_tokens", req.request_id, exc)
-            return None
-        self.core.stats.num_predicted += 1
-        return min(max(value, 1.0), float(req.params.max_new_tokens))
+            self.core.stats.num_predictor_failures += len(batch)
+            log.warning("length prediction of %d requests failed (%s); they stay keyed by max_tokens", len(batch), exc)
+            return
+        self.core.stats.num_predicted += len(batch)
+        rekeyed = [self.core.set_prediction(req, value) for req, value in zip(batch, values)]
+        if any(rekeyed):
+            self._wake.set()
 
     async def _report_length(self, report: LengthReport | None) -> None:
         """Tell the predictor how long a request really ran (it drops censored lengths)."""

@@ -105,7 +105,7 @@ class SchedulerCore:
         self.num_speculators = num_speculators
         self.stats = SchedulerStats()
         self._policy = config.make_policy()
-        self._requests: dict[str, RequestState] = {}  # open: waiting for a prediction, queued or running
+        self._requests: dict[str, RequestState] = {}  # open: queued or running
         self._running: dict[str, RequestState] = {}  # holding a row, in admission order
         self._free_rows = list(range(config.num_rows))
         self._plain_step_s: float | None = None  # one plain decode step's time, last measured
@@ -120,11 +120,14 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, speculate: str,
-               now: float) -> RequestState:
-        """Register a request arriving at ``now`` (its aging starts there); it waits for
-        :meth:`enqueue` (after its length prediction) before it can be admitted."""
+               now: float, length_hint: int | None = None) -> RequestState:
+        """Register a request arriving at ``now`` (its aging starts there); :meth:`enqueue`
+        queues it. ``length_hint``: the client's expected output tokens, if it sent one."""
         if speculate not in SPECULATE_MODES:
             raise InvalidRequest(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
+        if length_hint is not None and (isinstance(length_hint, bool) or not isinstance(length_hint, int)
+                                        or length_hint < 1):
+            raise InvalidRequest(f"length_hint must be an int >= 1, got {length_hint!r}")
         if len(prompt_ids) + params.max_new_tokens + self.config.max_tree_nodes > self.config.row_capacity:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) does not fit the "
@@ -134,22 +137,48 @@ class SchedulerCore:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if len(self._policy) >= self.config.max_queue:
             raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
-        req = self._requests[request_id] = RequestState(request_id, list(prompt_ids), params, speculate, now)
+        req = self._requests[request_id] = RequestState(request_id, list(prompt_ids), params, speculate, now,
+                                                        length_hint=length_hint)
+        if length_hint is not None:
+            self.stats.num_hinted += 1
         return req
 
-    def enqueue(self, req: RequestState, predicted_len: float | None) -> None:
-        """Queue ``req`` for admission (a no-op if it ended while it was being predicted)."""
-        if self._requests.get(req.request_id) is not req:
+    def enqueue(self, req: RequestState, predicted_len: float | None = None) -> None:
+        """Queue ``req`` for admission (a no-op if it has ended), keyed by the smaller of
+        ``predicted_len`` and its client's length hint; with neither, by ``max_tokens`` until
+        :meth:`set_prediction` re-keys it."""
+        if not self.is_open(req):
             return
-        req.predicted_len = predicted_len
-        self._policy.add(QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids),
-                                       req.params.max_new_tokens, predicted_len=predicted_len), req.arrival_s)
+        if predicted_len is not None:
+            req.predicted_len = predicted_len
+        self._policy.add(self._queued(req), req.arrival_s)
 
-    def withdraw(self, req: RequestState) -> None:
-        """Forget a request that was never queued (its prediction failed or was cancelled)."""
-        if self._requests.get(req.request_id) is req:
-            del self._requests[req.request_id]
-            self._policy.remove(req.request_id)
+    def set_prediction(self, req: RequestState, predicted_len: float) -> bool:
+        """The length predictor's guess for ``req`` landed: record it (clipped to
+        ``[1, max_tokens]``, for the summary and the predictor's online learning) and, if ``req``
+        still waits, re-key it by the smaller of it and the hint (a key only shrinks, so its
+        aging deadline only moves earlier: :mod:`treeserve.actors.policy_aging`). True when it
+        was re-keyed; False when it was already admitted or has ended."""
+        if not self.is_open(req):
+            return False
+        req.predicted_len = min(max(predicted_len, 1.0), float(req.params.max_new_tokens))
+        if not self._policy.update(self._queued(req)):
+            return False
+        self.stats.num_rekeyed += 1
+        return True
+
+    def is_open(self, req: RequestState) -> bool:
+        """Whether ``req`` is still queued or running (not ended, failed or cancelled)."""
+        return self._requests.get(req.request_id) is req and not req.is_cancelled
+
+    def is_queued(self, req: RequestState) -> bool:
+        """Whether ``req`` waits for admission."""
+        return self.is_open(req) and req.request_id in self._policy
+
+    @staticmethod
+    def _queued(req: RequestState) -> QueuedRequest:
+        return QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids), req.params.max_new_tokens,
+                             predicted_len=req.expected_len)
 
     def cancel(self, req: RequestState) -> LengthReport | None:
         """The consumer left. A queued request is dropped now; a running one keeps its row

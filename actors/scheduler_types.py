@@ -58,8 +58,11 @@ class SchedulerConfig:
     """Scheduler knobs. ``num_rows``/``row_capacity`` must match the verifier shards' cache;
     ``max_tree_nodes`` caps a merged token tree (root included); ``max_wait_s`` is the aging
     bound of ``ssjf``/``hrrn``; ``step_timeout_s`` bounds each call to a shard;
-    ``predict_timeout_s`` bounds the length prediction of one request (on timeout the request
-    is queued without one, as if it would run to ``max_tokens``). ``adaptive_speculation``
+    Length predictions never delay admission: a request is queued the moment it arrives, keyed by
+    the longest it can be (``max_tokens``, or its client's ``length_hint``), and re-keyed when its
+    prediction lands; one that finds a free row is admitted at once. Predictions run in batches
+    of at most ``max_predict_batch`` requests (the ones still queued first), one batch at a time,
+    each bounded by ``predict_timeout_s`` (on a timeout its requests keep their keys). ``adaptive_speculation``
     sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
     and step cost at the current batch size (:mod:`treeserve.actors.adaptive`); without it every
     step drafts ``max_tree_nodes``. ``use_states``: a speculator drafts from the LLM's hidden
@@ -83,6 +86,7 @@ class SchedulerConfig:
     max_queue: int = 4096
     step_timeout_s: float = 300.0
     predict_timeout_s: float = 10.0
+    max_predict_batch: int = 16
     adaptive_speculation: bool = True
     use_states: bool = False
     max_prefill_tokens: int = 8192
@@ -91,7 +95,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue", "max_prefill_tokens",
-                     "max_decode_steps"):
+                     "max_decode_steps", "max_predict_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
@@ -124,8 +128,10 @@ class SchedulerConfig:
 
 @dataclass
 class RequestState:
-    """What the scheduler core knows of one open request (waiting for its prediction, queued or
-    running); mutable, and the core's alone."""
+    """What the scheduler core knows of one open request (queued or running); mutable, and the
+    core's alone. ``length_hint``: the client's expected output tokens (None: it sent none);
+    ``predicted_len``: the length predictor's guess, at most ``max_tokens``, once it has landed
+    (it may land after admission, or never)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -139,6 +145,7 @@ class RequestState:
     needs_history: set[int] = field(default_factory=set)  # speculators to rebuild from the full history
     states_pending: list[np.ndarray] = field(default_factory=list)  # LLM states not yet sent to speculators
     states_all: list[np.ndarray] = field(default_factory=list)  # every state so far (to rebuild a speculator)
+    length_hint: int | None = None
     predicted_len: float | None = None
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -153,6 +160,13 @@ class RequestState:
     @property
     def speculates(self) -> bool:
         return self.speculate != Speculate.NONE
+
+    @property
+    def expected_len(self) -> float | None:
+        """The output length the admission order reads: the smaller of the client's hint and
+        the prediction (None: neither yet; the policy then assumes ``max_tokens``)."""
+        known = [float(v) for v in (self.length_hint, self.predicted_len) if v is not None]
+        return min(known) if known else None
 
     def add_states(self, states: Any) -> None:
         """Keep LLM hidden states ``(n, D)`` of new tokens for the speculators."""
@@ -301,6 +315,8 @@ class SchedulerStats:
     num_verifier_failures: int = 0
     num_predicted: int = 0
     num_predictor_failures: int = 0
+    num_rekeyed: int = 0  # queued requests whose prediction landed while they waited
+    num_hinted: int = 0  # requests ordered by their client's length hint (not predicted)
     num_prefill_calls: int = 0
     num_step_faults: int = 0
     num_row_failures: int = 0

@@ -18,7 +18,9 @@ Two heads (``Predictor.head``): ``ridge`` (:func:`fit_predictor`, ridge regressi
 ``log1p(length)``, its strength chosen by k-fold cross-validation) and ``rank``
 (:func:`fit_rank_predictor`: the ridge solution refined by a pairwise ranking loss, because
 SSJF needs the order of jobs, not their lengths, then rescaled by least squares so the score
-still estimates ``log1p(length)``). :func:`evaluate` gives held-out metrics (MAE in tokens,
+still estimates ``log1p(length)``) and ``ordinal`` (:func:`fit_ordinal_predictor`: a
+proportional-odds model over the length buckets, the buckets' own likelihood rather than pairs,
+rescaled the same way). :func:`evaluate` gives held-out metrics (MAE in tokens,
 bucket accuracy, Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus one JSON metadata string; no
 pickle). :class:`OnlineHead` refines a trained head from completed requests at bounded cost.
 Training on recorded lengths and the ``treeserve train-predictor`` command are in
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from treeserve.ops.model import Transformer
 
 FEATURE_KINDS = ("hidden", "tokens", "prompt_len", "lookup")
-HEADS = ("ridge", "rank")
+HEADS = ("ridge", "rank", "ordinal")
 DEFAULT_PREDICTOR_FILE = "data/predictor_smollm2-135m-instruct.npz"
 BUCKET_EDGES = (64, 128, 256, 512)
 """Bucket ``i`` holds lengths in ``[edges[i-1], edges[i])``; the last bucket is ``>= 512`` (capped)."""
@@ -128,6 +130,71 @@ def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
     return out
 
 
+def prompt_hidden_batch(model: Transformer, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """:func:`prompt_hidden` of several prompts in one padded causal prefill: ``[(T_i, D)]``.
+
+    Prompts are right-padded to the longest: a causal chain never lets a prompt's tokens attend
+    to the padding after them, so each prompt's states are its own prefill's up to float
+    rounding (the batch changes the kernels' summation order; the tests bound the difference).
+    """
+    import torch
+
+    if not prompts or any(not p for p in prompts):
+        raise PredictorError("prompt_hidden_batch needs at least one prompt, none of them empty")
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # (B, T): pad id 0, never attended
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    cache = model.new_cache(len(prompts), longest)
+    with torch.inference_mode():
+        h = model.embed_tokens(ids.to(model.device))  # (B, T, D)
+        h = model.norm(model.run_blocks(h, cache, None, None))
+    out = h.float().cpu().numpy()
+    return [out[row, : len(prompt)] for row, prompt in enumerate(prompts)]
+
+
+def padded_batches(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for padded prefills: sorted by length, and a group grows
+    while its padded size ``count * longest`` stays within ``(1 + max_padding)`` of its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= (1 + max_padding) * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
+def features_batch(spec: FeatureSpec, prompts: Sequence[Sequence[int]], model: Transformer | None = None) -> np.ndarray:
+    """:func:`features` of several prompts ``(N, F)``; ``hidden`` ones run in padded prefills of
+    similar lengths (:func:`padded_batches`), not one prefill per prompt."""
+    if not prompts:
+        raise PredictorError("features_batch needs at least one prompt")
+    if spec.kind != "hidden" or len(prompts) == 1:
+        return np.stack([features(spec, p, model) for p in prompts])
+    if any(not p for p in prompts):
+        raise PredictorError("prompt_ids must not be empty")
+    _check_hidden_model(spec, model)
+    assert model is not None
+    rows: dict[int, np.ndarray] = {}
+    for group in padded_batches([len(p) for p in prompts]):
+        for i, hidden in zip(group, prompt_hidden_batch(model, [prompts[i] for i in group])):
+            rows[i] = pooled_hidden_features(hidden)
+    return np.stack([rows[i] for i in range(len(prompts))])
+
+
+def _check_hidden_model(spec: FeatureSpec, model: Transformer | None) -> None:
+    if model is None:
+        raise PredictorError("hidden features need the served model (pass model=...)")
+    if model.config.num_layers != spec.num_layers:
+        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
+                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
+
+
 def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
     """The feature vector of one prompt under ``spec`` (``model``: the truncated model for ``hidden``)."""
     if not prompt_ids:
@@ -138,11 +205,8 @@ def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | 
         return token_features(prompt_ids, spec.num_buckets)
     if spec.kind == "lookup":
         return np.array([prompt_key(prompt_ids)])
-    if model is None:
-        raise PredictorError("hidden features need the served model (pass model=...)")
-    if model.config.num_layers != spec.num_layers:
-        raise PredictorError(f"hidden features need a {spec.num_layers}-layer truncated model, "
-                             f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
+    _check_hidden_model(spec, model)
+    assert model is not None
     return pooled_hidden_features(prompt_hidden(model, prompt_ids))
 
 
@@ -265,6 +329,10 @@ class Predictor:
     def prompt_features(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """The feature vector of one prompt (``hidden`` predictors need :meth:`bind` first)."""
         return features(self.spec, prompt_ids, self._truncated)
+
+    def prompt_features_batch(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """:meth:`prompt_features` of several prompts ``(N, F)``, in padded batched prefills."""
+        return features_batch(self.spec, prompts, self._truncated)
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""
@@ -398,6 +466,98 @@ def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, ma
     intercept = float(y.mean() - slope * score.mean())
     meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, "num_steps": num_steps}
     return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, meta, head="rank")
+
+
+def ordinal_loss(scores: np.ndarray, thresholds: np.ndarray, buckets: np.ndarray
+                 ) -> tuple[float, np.ndarray, np.ndarray]:
+    """Mean negative log-likelihood of bucket labels under a proportional-odds model, and its
+    gradients with respect to ``scores`` ``(N,)`` and ``thresholds`` ``(K-1,)`` (increasing).
+
+    ``P(bucket > k) = sigmoid(score - thresholds[k])``, so bucket ``k`` of ``K`` has probability
+    ``sigmoid(t_k - s) - sigmoid(t_{k-1} - s)`` (``t_{-1} = -inf``, ``t_{K-1} = +inf``). The top
+    bucket holds the capped answers: a censored length is only "at least the cap", which is
+    exactly what the top bucket's likelihood says, and ties inside a bucket cost nothing.
+    """
+    num, num_cuts = scores.size, thresholds.size
+    rows = np.arange(num)
+    upper_cut, lower_cut = np.minimum(buckets, num_cuts - 1), np.maximum(buckets - 1, 0)
+    has_upper, has_lower = buckets < num_cuts, buckets > 0
+    cdf = 0.5 * (1.0 + np.tanh(0.5 * (thresholds[None, :] - scores[:, None])))  # (N, K-1): P(bucket <= k)
+    density = cdf * (1.0 - cdf)
+    upper = np.where(has_upper, cdf[rows, upper_cut], 1.0)
+    lower = np.where(has_lower, cdf[rows, lower_cut], 0.0)
+    prob = np.maximum(upper - lower, 1e-12)
+    d_upper = np.where(has_upper, density[rows, upper_cut], 0.0)
+    d_lower = np.where(has_lower, density[rows, lower_cut], 0.0)
+    loss = float(-np.log(prob).mean())
+    grad_scores = (d_upper - d_lower) / prob / num
+    grad_thresholds = np.zeros(num_cuts)
+    np.add.at(grad_thresholds, upper_cut[has_upper], -(d_upper / prob)[has_upper] / num)
+    np.add.at(grad_thresholds, lower_cut[has_lower], (d_lower / prob)[has_lower] / num)
+    return loss, grad_scores, grad_thresholds
+
+
+def fit_ordinal_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
+                          edges: Sequence[int] = BUCKET_EDGES, l2: Sequence[float] = (1.0, 10.0, 100.0, 1000.0),
+                          num_steps: int = 300, lr: float = 0.05, seed: int = 0) -> Predictor:
+    """An ``ordinal`` head: a proportional-odds model of the length bucket (:func:`ordinal_loss`
+    over ``edges``, the capped answers in the top bucket), started from the ridge head and fit by
+    Adam with ``l2 * |w|^2 / N``, then rescaled by least squares so that the score estimates
+    ``log1p(length)`` (a positive scale keeps the order; the thresholds are dropped).
+
+    The L2 strength is chosen on an inner 80/20 split by Kendall's tau. Each step is O(N * K),
+    so unlike the pairwise ``rank`` head it uses every example.
+    """
+    x, lengths = np.asarray(x, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
+    ridge = fit_predictor(x, lengths, spec, max_tokens, seed=seed)
+    z = (x - ridge.mean) / ridge.scale
+    y = np.log1p(lengths)
+    buckets = bucket_of(lengths, edges)
+    num_cuts = len(edges)
+
+    def fit(idx: np.ndarray, strength: float) -> np.ndarray:
+        zs, bs = z[idx], buckets[idx]
+        w = ridge.weights.copy()
+        start = zs @ w
+        cuts = np.array([np.quantile(start, min(max((bs <= k).mean(), 0.01), 0.99)) for k in range(num_cuts)])
+        # Increasing thresholds: the first one free, then softplus steps (log(expm1(step)) inverts softplus).
+        first, steps = cuts[:1], np.log(np.expm1(np.maximum(np.diff(cuts), 1e-3)))
+        params = [w, first, steps]
+        moments = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
+        for step in range(1, num_steps + 1):
+            w, first, steps = params
+            thresholds = np.concatenate([first, first + np.cumsum(np.logaddexp(0.0, steps))])
+            _, grad_s, grad_t = ordinal_loss(zs @ w, thresholds, bs)
+            grad_w = zs.T @ grad_s + 2.0 * strength * w / idx.size
+            # t_j = first + sum_{i < j} softplus(steps_i): dt_j/dsteps_i = sigmoid(steps_i) for i < j.
+            grad_steps = np.cumsum(grad_t[::-1])[::-1][1:] * 0.5 * (1.0 + np.tanh(0.5 * steps))
+            grads = [grad_w, np.array([grad_t.sum()]), grad_steps]
+            for i, grad in enumerate(grads):
+                m, v = moments[i]
+                m = 0.9 * m + 0.1 * grad
+                v = 0.999 * v + 0.001 * grad**2
+                moments[i] = (m, v)
+                params[i] = params[i] - lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+        return params[0]
+
+    order = np.random.default_rng(seed).permutation(y.size)
+    inner_val, inner_train = order[: y.size // 5], order[y.size // 5:]
+    best_strength, best_tau = l2[0], -math.inf
+    if len(l2) > 1 and inner_val.size >= 10:
+        for strength in l2:
+            tau = kendall_tau(z[inner_val] @ fit(inner_train, strength), lengths[inner_val])
+            if tau > best_tau:
+                best_strength, best_tau = strength, tau
+    w = fit(np.arange(y.size), best_strength)
+    score = z @ w
+    centred = score - score.mean()
+    slope = float(centred @ (y - y.mean()) / max(float(centred @ centred), 1e-12))
+    if not slope > 0:  # a score that anti-correlates with length: keep the ridge head
+        return ridge
+    intercept = float(y.mean() - slope * score.mean())
+    meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, "num_steps": num_steps,
+            "bucket_edges": list(edges)}
+    return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, meta, head="ordinal")
 
 
 class OnlineHead:

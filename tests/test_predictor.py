@@ -310,3 +310,26 @@ def test_predictor_data_batched_greedy_equals_one_prompt_at_a_time() -> None:
     assert module.generate_batched(model, jobs, stop, 8, 2, 1e9, done.append) == len(prompts)
     assert [j.output for j in jobs] == expected and len(done) == len(prompts)
     assert [j.is_capped for j in jobs] == [len(e) == 8 and e[-1] not in stop for e in expected]
+
+
+def test_batched_prompt_features_equal_one_prompt_at_a_time() -> None:
+    """The predictor actor's ``predict_batch`` path: right-padded causal prefills of several
+    prompts give each prompt's own features (up to float rounding), in the prompts' order."""
+    from treeserve.ops.length_predictor import features_batch, padded_batches, prompt_hidden, prompt_hidden_batch
+
+    model = _tiny_model().truncated(2)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 50, int(n)).tolist() for n in (5, 1, 12, 11, 6, 5, 30)]
+    for prompt, hidden in zip(prompts, prompt_hidden_batch(model, prompts)):
+        assert hidden.shape == (len(prompt), 16)
+        assert np.allclose(hidden, prompt_hidden(model, prompt), atol=1e-5)
+    spec = FeatureSpec("hidden", num_layers=2)
+    batched = features_batch(spec, prompts, model)
+    assert batched.shape == (len(prompts), 2 * 16 + 1)
+    assert np.allclose(batched, np.stack([features(spec, p, model) for p in prompts]), atol=1e-5)
+    groups = padded_batches([len(p) for p in prompts])
+    assert sorted(i for g in groups for i in g) == list(range(len(prompts)))
+    assert [2, 7] not in groups and any(len(g) > 1 for g in groups)  # 12 and 11 share; 30 pads nothing
+    with pytest.raises(PredictorError):
+        features_batch(FeatureSpec("hidden", num_layers=3), prompts, model)  # a 2-layer model
+    assert np.array_equal(features_batch(FeatureSpec("prompt_len"), [[1], [1, 2]]), [[math.log1p(1)], [math.log1p(2)]])

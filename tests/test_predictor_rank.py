@@ -100,3 +100,38 @@ def test_test_split_is_a_fixed_fifth_of_each_set_and_never_trained_on() -> None:
     examples = _graded_examples(40, 4)
     with pytest.raises(PredictorError, match="also a training prompt"):
         train_predictor(examples, FeatureSpec("prompt_len"), test=examples[:5])
+
+
+def test_ordinal_loss_gradients_match_finite_differences() -> None:
+    from treeserve.ops.length_predictor import ordinal_loss
+
+    rng = np.random.default_rng(5)
+    scores, thresholds = rng.normal(size=15), np.array([-1.0, -0.2, 0.5, 1.4])
+    buckets = np.array([0, 1, 2, 3, 4] * 3)
+    loss, grad_s, grad_t = ordinal_loss(scores, thresholds, buckets)
+    eps = 1e-6
+    for i in range(15):
+        bumped = scores.copy()
+        bumped[i] += eps
+        assert (ordinal_loss(bumped, thresholds, buckets)[0] - loss) / eps == pytest.approx(grad_s[i], abs=1e-5)
+    for k in range(4):
+        bumped = thresholds.copy()
+        bumped[k] += eps
+        assert (ordinal_loss(scores, bumped, buckets)[0] - loss) / eps == pytest.approx(grad_t[k], abs=1e-5)
+    # Scores in the buckets' order cost less than the reverse order.
+    ordered = buckets.astype(float) - 2.0
+    assert ordinal_loss(ordered, thresholds, buckets)[0] < ordinal_loss(-ordered, thresholds, buckets)[0]
+
+
+def test_ordinal_head_ranks_held_out_prompts_saves_and_loads(tmp_path: Path) -> None:
+    train, test = _graded_examples(300, 0), _graded_examples(200, 1, prefix="t")
+    report = train_predictor(train, FeatureSpec("tokens", num_buckets=1024), head="ordinal", test=test, max_tokens=256)
+    predictor = report.predictor
+    assert predictor.head == "ordinal" and report.held_out["tokens@1024"]["kendall_tau"] > 0.5
+    assert predictor.meta["bucket_edges"] == [64, 128, 256, 512] and predictor.meta["l2"] in (1.0, 10.0, 100.0, 1000.0)
+    predictor.save(tmp_path / "ordinal.npz")
+    loaded = load_predictor(tmp_path / "ordinal.npz")
+    assert loaded.head == "ordinal"
+    x = token_features(test[0].prompt_ids, 1024)
+    assert loaded.predict_features(x) == pytest.approx(predictor.predict_features(x))
+    assert 1.0 <= loaded.predict_features(x) <= 256.0

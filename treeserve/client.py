@@ -174,6 +174,7 @@ class Client:
         params: SamplingParams | None = None,
         *,
         speculate: str = "tree",
+        length_hint: int | None = None,
         **overrides: Any,
     ) -> AsyncIterator[Chunk]:
         """Generate from ``prompt`` (text, chat ``messages``, or token ids), yielding
@@ -181,10 +182,13 @@ class Client:
         ``overrides`` (wire field names, ``transport/PROTOCOL.md`` 11.3: ``max_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop``,
         ``parse_special_tokens``; None is the server's default; ``max_new_tokens`` is a deprecated
-        alias of ``max_tokens``) set sampling. Breaking out of the loop or cancelling the
+        alias of ``max_tokens``) set sampling. ``length_hint``: the output tokens you expect; a
+        server that schedules by output length queues the request by it (capped at
+        ``max_tokens``) instead of predicting; None sends no hint (the key is left out, so
+        servers that predate it accept the request). Breaking out of the loop or cancelling the
         consuming task sends ``cancel`` to the gateway. Raises ``ServerError`` subclasses
         (``InvalidRequestError``, ``OverloadedError``...)."""
-        return self._chunks(request_body(prompt, params, speculate, overrides), None)
+        return self._chunks(request_body(prompt, params, speculate, overrides, length_hint), None)
 
     async def generate(
         self,
@@ -192,11 +196,12 @@ class Client:
         params: SamplingParams | None = None,
         *,
         speculate: str = "tree",
+        length_hint: int | None = None,
         **overrides: Any,
     ) -> Completion:
         """Like ``stream`` but waits for the whole ``Completion``."""
         result: list[Completion] = []
-        chunks = self._chunks(request_body(prompt, params, speculate, overrides), result)
+        chunks = self._chunks(request_body(prompt, params, speculate, overrides, length_hint), result)
         try:
             async for _ in chunks:
                 pass

@@ -60,11 +60,14 @@ def request_body(
     params: SamplingParams | None,
     speculate: str,
     overrides: Mapping[str, Any],
+    length_hint: int | None = None,
 ) -> dict[str, Any]:
     """The ``generate`` body for ``prompt`` (text, chat messages or token ids), sampling
-    ``params`` and wire-named ``overrides`` (a None override is sent as nil: the server's
-    default). ``max_new_tokens`` is a deprecated alias of ``max_tokens`` (a
-    ``DeprecationWarning``; it goes in the next release); giving both is a ``TypeError``."""
+    ``params``, wire-named ``overrides`` (a None override is sent as nil: the server's
+    default) and the client's ``length_hint`` (None: the key is left out, so a server that
+    predates the field accepts the body). ``max_new_tokens`` is a deprecated alias of
+    ``max_tokens`` (a ``DeprecationWarning``; it goes in the next release); giving both is a
+    ``TypeError``."""
     body: dict[str, Any] = {}
     if isinstance(prompt, str):
         body["prompt"] = prompt
@@ -92,6 +95,12 @@ def request_body(
                       stacklevel=4)
     for key, value in overrides.items():
         body["max_tokens" if key == "max_new_tokens" else key] = value
+    if length_hint is not None:
+        if isinstance(length_hint, bool) or not isinstance(length_hint, int):
+            raise TypeError(f"length_hint must be an int or None, got {type(length_hint).__name__}")
+        if length_hint < 1:
+            raise ValueError(f"length_hint must be >= 1, got {length_hint}")
+        body["length_hint"] = length_hint
     return body
 
 

@@ -38,6 +38,7 @@ from treeserve.ops.length_predictor import (
     evaluate,
     features,
     fit_predictor,
+    fit_ordinal_predictor,
     fit_rank_predictor,
     kendall_tau,
     load_predictor,
@@ -71,6 +72,7 @@ __all__ = [
     "features",
     "fit_predictor",
     "fit_head",
+    "fit_ordinal_predictor",
     "fit_rank_predictor",
     "held_out_by_dataset",
     "hidden_features_at",
@@ -287,11 +289,13 @@ def cache_hidden_features(layers: Sequence[int], examples: Sequence[LengthExampl
 
 def fit_head(head: str, x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
              alphas: Sequence[float] = DEFAULT_ALPHAS, seed: int = 0) -> Predictor:
-    """Fit a ``ridge`` or ``rank`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
+    """Fit a ``ridge``, ``rank`` or ``ordinal`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
     if head == "ridge":
         return fit_predictor(x, lengths, spec, max_tokens, alphas=alphas, seed=seed)
     if head == "rank":
         return fit_rank_predictor(x, lengths, spec, max_tokens, seed=seed)
+    if head == "ordinal":
+        return fit_ordinal_predictor(x, lengths, spec, max_tokens, seed=seed)
     raise PredictorError(f"head must be one of {HEADS}, got {head!r}")
 
 
@@ -403,8 +407,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder with the <dataset>.jsonl prompt files (fetch.py, synthetic.py)")
     parser.add_argument("--features", default="hidden@12",
                         help="hidden@LAYERS | tokens@BUCKETS | prompt_len (the predictor to save)")
-    parser.add_argument("--head", default="rank", choices=HEADS,
-                        help="rank: pairwise ranking loss on top of ridge; ridge: regression on log length")
+    parser.add_argument("--head", default="ordinal", choices=HEADS,
+                        help="rank: pairwise ranking loss on top of ridge; ordinal: proportional-odds model of the "
+                             "length buckets; ridge: regression on log length (the other heads are reported too)")
     parser.add_argument("--compare", nargs="*", default=["hidden@4", "hidden@8", "prompt_len", "tokens@1024"],
                         help="other feature specs to report on the held-out prompts")
     parser.add_argument("--cross-validate", action="store_true",
@@ -480,10 +485,10 @@ def run(args: argparse.Namespace) -> int:
         cache_hidden_features(layers, examples, loaded.model, args.features_cache)
     report = train_predictor(train, spec, compare=compare, head=args.head, **common)
     seconds = time.perf_counter() - started
-    if args.head != "ridge":  # the same features under plain regression: what the ranking loss adds
-        ridge = train_predictor(train, spec, head="ridge", **common)
-        report.held_out[f"{spec_name(spec)}/ridge"] = ridge.held_out[spec_name(spec)]
-        report.held_out_predictions[f"{spec_name(spec)}/ridge"] = ridge.held_out_predictions[spec_name(spec)]
+    for other in (h for h in HEADS if h != args.head):  # the same features under the other heads
+        alternative = train_predictor(train, spec, head=other, **common)
+        report.held_out[f"{spec_name(spec)}/{other}"] = alternative.held_out[spec_name(spec)]
+        report.held_out_predictions[f"{spec_name(spec)}/{other}"] = alternative.held_out_predictions[spec_name(spec)]
     scored = test or examples
     for path in args.baseline:  # a saved head, scored on the same prompts with its own features
         old = load_predictor(path)

@@ -76,6 +76,41 @@ def test_parse_special_tokens_must_be_a_bool() -> None:
     assert parse({"prompt": "x", "parse_special_tokens": None}).parse_special_tokens is False
 
 
+# ------------------------------------------------------------------ length hints
+
+
+def test_a_length_hint_is_an_optional_positive_int() -> None:
+    assert parse({"prompt": "x"}).length_hint is None  # what every older client sends
+    assert parse({"prompt": "x", "length_hint": None}).length_hint is None
+    assert parse({"prompt": "x", "length_hint": 40}).length_hint == 40
+    assert parse({"prompt": "x", "max_tokens": 8, "length_hint": 900}).length_hint == 900  # the scheduler caps it
+    for bad, shown in [(0, "0"), (-5, "-5"), (2**31, str(2**31)), (True, "bool"), (3.5, "float"), ("40", "str")]:
+        message = refused({"prompt": "x", "length_hint": bad})
+        assert "'length_hint' must be nil or an int in [1, 2^31)" in message and shown in message, message
+
+
+def test_the_http_api_takes_a_length_hint_in_its_treeserve_object() -> None:
+    from treeserve.actors.gateway_http_openai import Endpoint, parse_openai
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "treeserve": {"length_hint": 12}}
+    wire = parse_openai(Endpoint.CHAT, body, "m").wire
+    assert wire["length_hint"] == 12 and parse(wire).length_hint == 12
+
+
+async def test_a_clients_length_hint_reaches_the_scheduler() -> None:
+    """Round trip: ``Client(length_hint=...)`` -> the wire -> the gateway -> the scheduler's body;
+    a client that gives none sends no key, and the scheduler body has none."""
+    config = GatewayConfig(bind="tcp://127.0.0.1:0", context_length=128)
+    async with fake_gateway(config, tokenizer=ByteTokenizer()) as (gw, fake):
+        async with Client(gw.endpoint, timeout=20) as client:
+            await client.generate("hinted", max_tokens=2, length_hint=37)
+            await client.generate("plain", max_tokens=2)
+            with pytest.raises(InvalidRequestError, match="length_hint"):
+                await client.generate("bad", max_tokens=2, length_hint=2**31)
+    hinted, plain = fake.bodies.values()
+    assert hinted["length_hint"] == 37 and "length_hint" not in plain
+
+
 # ------------------------------------------------------------------ fix 5: roles and characters
 
 

@@ -18,7 +18,7 @@ import torch
 from treeserve.actors.gateway_request import Speculate
 from treeserve.actors.messages import MalformedReply
 from treeserve.actors.messages_gateway import FinishBody, GenerateBody
-from treeserve.actors.messages_length import LengthReport, PredictBody, PredictReply
+from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
 from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
 from treeserve.actors.messages_verifier import (
     PrefillBody,
@@ -161,6 +161,20 @@ def test_the_small_bodies_round_trip() -> None:
         assert parse(through_codec(body.to_wire())) == body
     assert StartBody.from_wire(through_codec(StartBody("g", (1, 2)).to_wire()), VOCAB) == StartBody("g", (1, 2))
     assert PredictBody.from_wire(through_codec(PredictBody("g", (1, 2)).to_wire()), VOCAB) == PredictBody("g", (1, 2))
+    batch = PredictBatchBody((PredictBody("g", (1, 2)), PredictBody("h", (3,))))
+    assert PredictBatchBody.from_wire(through_codec(batch.to_wire()), VOCAB) == batch
+    assert PredictBatchReply.from_wire(through_codec({"predicted_lens": [3, 4.5]}), 2) == PredictBatchReply((3.0, 4.5))
+
+
+def test_the_generate_body_carries_an_optional_length_hint() -> None:
+    hinted = GenerateBody("g", (5, 6), SAMPLED, Speculate.NONE, length_hint=40)
+    assert hinted.to_wire()["length_hint"] == 40
+    assert GenerateBody.from_wire(through_codec(hinted.to_wire()), VOCAB) == hinted
+    assert "length_hint" not in GenerateBody("g", (5,), SAMPLED).to_wire()  # what an old gateway sends
+    assert GenerateBody.from_wire({"prompt_ids": [1], "length_hint": None}, VOCAB).length_hint is None
+    for bad in (0, -1, True, 2.5, "40"):
+        with pytest.raises(ValueError, match="length_hint must be an int >= 1"):
+            GenerateBody.from_wire({"prompt_ids": [1], "length_hint": bad}, VOCAB)
 
 
 # ---------------------------------------------------------------------- frames
@@ -258,6 +272,11 @@ def test_a_malformed_verifier_reply_is_a_malformed_reply() -> None:
         PrefillReply.from_wire({"rows": [{"row": 1, "length": 2}]}, [0])
     with pytest.raises(MalformedReply, match="predicted_len"):
         PredictReply.from_wire({"predicted_len": float("nan")})
+    for reply in ({"predicted_lens": [1.0]}, {"predicted_lens": [1.0, float("inf")]}, {"predicted_lens": [1.0, True]}, []):
+        with pytest.raises(MalformedReply, match="2 finite 'predicted_lens'"):
+            PredictBatchReply.from_wire(reply, 2)
+    with pytest.raises(ValueError, match="non-empty list"):
+        PredictBatchBody.from_wire({"requests": []}, VOCAB)
 
 
 async def test_the_verifier_rejects_a_malformed_body_at_its_entry_before_any_compute() -> None:

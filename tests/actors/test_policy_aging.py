@@ -218,3 +218,58 @@ def test_the_default_aging_scale_keeps_a_512_token_burst_shortest_first() -> Non
     tied = [r.request_id for r in half.select(now, 40)]
     long_ones = [i for i in tied if int(i[1:]) <= 20]  # predicted 500..260: deadline arrival + 30 s each
     assert long_ones == [f"r{i}" for i in range(21)]  # so in arrival order, the longest first
+
+
+PREDICTION_LAG_S = 3.0  # the predictor answers this long after a request arrives
+
+
+def run_with_late_predictions(policy: AgingPolicy, stream: list[QueuedRequest], num_steps: int
+                              ) -> tuple[Outcome, dict[str, float]]:
+    """``run_one_per_step``, but every request is queued on its prior (no prediction: counts as
+    ``max_tokens``) and re-keyed by its prediction at the first step ``PREDICTION_LAG_S`` after
+    it arrived, as the scheduler does. Returns the outcome and each re-key's time."""
+    waits: dict[str, float] = {}
+    num_ahead: dict[str, int] = {}
+    rekeyed_at: dict[str, float] = {}
+    lagging: list[QueuedRequest] = []
+    pending = iter(stream)
+    nxt = next(pending, None)
+    for k in range(num_steps):
+        now = k * DT
+        while nxt is not None and nxt.arrival_s <= now:
+            num_ahead[nxt.request_id] = len(policy)
+            policy.add(QueuedRequest(nxt.request_id, nxt.arrival_s, nxt.prompt_len, nxt.max_tokens,
+                                     true_len=nxt.true_len), now)
+            lagging.append(nxt)
+            nxt = next(pending, None)
+        for r in [r for r in lagging if now >= r.arrival_s + PREDICTION_LAG_S]:
+            lagging.remove(r)
+            rekeyed_at[r.request_id] = now
+            policy.update(r)
+        chosen = policy.pop_next(now)
+        if chosen is not None:
+            waits[chosen.request_id] = now - chosen.arrival_s
+    return Outcome(waits, num_ahead, [r.arrival_s for r in stream], len(policy)), rekeyed_at
+
+
+@pytest.mark.parametrize("make", [lambda: SSJFPolicy(MAX_WAIT_S), lambda: HRRNPolicy(MAX_WAIT_S)], ids=["ssjf", "hrrn"])
+def test_the_bound_holds_when_predictions_land_after_queueing(make: Callable[[], AgingPolicy]) -> None:
+    """The documented bound with late predictions: r is promoted by
+    ``min(a_r + max_wait_s, max(d_r, rekey_r))``, then waits for at most A_r others."""
+    steps = 200
+    stream = adversarial_stream(steps)
+    policy = make()
+    out, rekeyed_at = run_with_late_predictions(policy, stream, steps)
+    assert out.num_left > 100 and "long" in out.waits
+    for r in stream:
+        if r.request_id not in out.waits:
+            continue
+        wait = out.waits[r.request_id]
+        promoted = min(r.arrival_s + MAX_WAIT_S, max(policy.deadline(r), rekeyed_at.get(r.request_id, math.inf)))
+        assert wait <= (promoted - r.arrival_s) + DT * (1 + out.bound_count(r)), r.request_id
+        assert wait <= MAX_WAIT_S + DT * (1 + out.bound_count(r)), r.request_id
+    # The long job still goes ahead of every request that arrived more than max_wait_s after it.
+    long_admitted = 0.1 + out.waits["long"]
+    for r in stream:
+        if r.arrival_s > 0.1 + MAX_WAIT_S and r.request_id in out.waits:
+            assert r.arrival_s + out.waits[r.request_id] > long_admitted, r.request_id

@@ -229,3 +229,53 @@ def test_hrrn_promotes_at_its_aging_deadline() -> None:
     assert drain(queue(HRRNPolicy(max_wait_s=10.0, aging_tokens=256)), now=10.0) == ["long", "short"]  # promoted
     assert drain(queue(HRRNPolicy(max_wait_s=10.0, aging_tokens=256)), now=9.5) == ["short", "long"]  # the ratio
     assert drain(queue(HRRNPolicy()), now=10.0) == ["short", "long"]  # no aging: the ratio alone
+
+
+# ---------------------------------------------------------------------- re-keying (update)
+@pytest.mark.parametrize("make", [lambda: SSJFPolicy(max_wait_s=math.inf), lambda: HRRNPolicy()], ids=["ssjf", "hrrn"])
+def test_update_rekeys_a_queued_request_when_its_prediction_lands(make: object) -> None:
+    p = make()  # type: ignore[operator]
+    assert isinstance(p, (SSJFPolicy, HRRNPolicy))
+    p.add(req("a", 0.0, predicted=None, max_tokens=100), 0.0)  # queued on its prior: max_tokens
+    p.add(req("b", 0.1, predicted=None, max_tokens=100), 0.1)
+    p.add(req("c", 0.2, predicted=5), 0.2)
+    assert p.update(req("b", 0.1, predicted=3, max_tokens=100))  # b's prediction lands: now the shortest
+    assert p.update(req("a", 0.0, predicted=100, max_tokens=100))  # the same size: a no-op re-key
+    assert drain(p, now=0.3) == ["b", "c", "a"]
+    assert not p.update(req("b", 0.1, predicted=2, max_tokens=100))  # no longer queued: nothing to do
+
+
+def test_update_only_shrinks_the_key_and_keeps_the_arrival() -> None:
+    p = SSJFPolicy(max_wait_s=10.0)
+    p.add(req("a", 1.0, predicted=40), 1.0)
+    with pytest.raises(ValueError, match="only shorten"):
+        p.update(req("a", 1.0, predicted=41))  # a deadline would move later
+    with pytest.raises(ValueError, match="only the prediction"):
+        p.update(req("a", 0.5, predicted=10))  # the aging clock is the arrival's
+    with pytest.raises(ValueError, match="only the prediction"):
+        p.update(req("a", 1.0, predicted=10, max_tokens=64))
+    assert len(p) == 1 and p.pop_next(2.0) == req("a", 1.0, predicted=40)  # untouched by the refusals
+
+
+def test_update_moves_the_aging_deadline_earlier_and_keeps_the_add_order_tie_break() -> None:
+    p = SSJFPolicy(max_wait_s=10.0, aging_tokens=100)
+    p.add(req("x", 0.0, predicted=None, max_tokens=100), 0.0)  # deadline 10.0
+    p.add(req("y", 0.0, predicted=30, max_tokens=100), 0.0)  # deadline 3.0
+    assert p.update(req("x", 0.0, predicted=30, max_tokens=100))  # deadline 3.0 now too
+    assert p.is_promoted(req("x", 0.0, predicted=30, max_tokens=100), 3.0)
+    assert [r.request_id for r in p.select(3.0, 2)] == ["x", "y"]  # both promoted: tied, x was added first
+
+
+def test_many_updates_keep_the_heaps_bounded_and_the_order_right() -> None:
+    rng = random.Random(3)
+    p = SSJFPolicy(max_wait_s=math.inf)
+    sizes = {f"r{i}": 1000.0 for i in range(50)}
+    for i in range(50):
+        p.add(req(f"r{i}", float(i), predicted=None, max_tokens=1000), float(i))
+    for _ in range(2000):
+        rid = f"r{rng.randrange(50)}"
+        sizes[rid] = max(1.0, sizes[rid] - rng.random() * 30)
+        assert p.update(req(rid, float(rid[1:]), predicted=sizes[rid], max_tokens=1000))
+    assert p._num_heap_items <= 4 * len(p) + 64 + 2  # stale items are compacted away
+    expected = sorted(sizes, key=lambda r: (sizes[r], float(r[1:])))
+    assert drain(p, now=100.0) == expected

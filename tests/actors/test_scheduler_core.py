@@ -120,6 +120,51 @@ def test_admission_order_follows_the_policy(policy: str, expected: list[str]) ->
     assert run_one_at_a_time(core, 10.0, 3) == expected
 
 
+def test_a_prediction_that_lands_later_rekeys_a_queued_request() -> None:
+    core = make_core(num_rows=1, policy="ssjf", max_wait_s=1000.0)
+    submit(core, "blocker", 0.0, max_tokens=50)
+    step(core, 0.0)  # holds the only row
+    early = submit(core, "early", 0.1, max_tokens=50)  # queued at once, keyed by max_tokens
+    late = submit(core, "late", 0.2, max_tokens=50)
+    assert core.is_queued(early) and core.is_queued(late)
+    assert core.set_prediction(late, 4.0) and core.set_prediction(early, 30.0)
+    assert late.predicted_len == 4.0 and core.snapshot()["num_rekeyed"] == 2
+    core.cancel(core._running["blocker"])
+    assert admitted(core.plan(1.0)) == ["late"]  # overtook the earlier arrival once its prediction landed
+
+
+def test_a_request_is_admitted_before_its_prediction_and_the_prediction_is_still_recorded() -> None:
+    core = make_core(num_rows=1, policy="ssjf", max_wait_s=1000.0)
+    req = submit(core, "a", 0.0, max_tokens=10)
+    assert admitted(core.plan(0.0)) == ["a"]  # a free row: no prediction needed to admit
+    assert not core.set_prediction(req, 900.0)  # not queued any more: nothing to re-key
+    assert req.predicted_len == 10.0  # clipped to max_tokens; kept for the summary and the learner
+    _, events = step(core, 1.0, {"a": [EOS]})
+    assert finished(events)["a"]["predicted_len"] == 10.0
+    assert events.events[-1].report == LengthReport("a", 1, False)  # type: ignore[union-attr]
+
+
+def test_a_client_length_hint_keys_the_request_and_caps_a_prediction() -> None:
+    core = make_core(num_rows=1, policy="ssjf", max_wait_s=1000.0)
+    submit(core, "blocker", 0.0, max_tokens=50)
+    step(core, 0.0)
+    params = SamplingParams(max_new_tokens=50, stop_token_ids=(EOS,))
+    unhinted = core.submit("unhinted", [1, 2], params, "none", 0.1)
+    core.enqueue(unhinted)  # keyed by max_tokens (50)
+    hinted = core.submit("hinted", [1, 2], params, "none", 0.2, length_hint=6)
+    core.enqueue(hinted)  # keyed by its hint at once
+    huge = core.submit("huge-hint", [1, 2], params, "none", 0.3, length_hint=10_000)
+    core.enqueue(huge)  # a hint above max_tokens counts as max_tokens
+    assert hinted.expected_len == 6.0 and core.snapshot()["num_hinted"] == 2
+    core.set_prediction(hinted, 20.0)  # the smaller of hint and prediction keys it
+    assert hinted.expected_len == 6.0
+    core.cancel(core._running["blocker"])
+    assert run_one_at_a_time(core, 1.0, 3) == ["hinted", "unhinted", "huge-hint"]
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(InvalidRequest, match="length_hint"):
+            core.submit("bad", [1], params, "none", 0.0, length_hint=bad)  # type: ignore[arg-type]
+
+
 def test_aging_promotes_a_request_that_waited_max_wait_over_shorter_ones() -> None:
     def order(max_wait_s: float) -> list[str]:
         core = make_core(num_rows=1, policy="ssjf", max_wait_s=max_wait_s)
@@ -256,11 +301,12 @@ def test_fail_all_ends_every_open_request_and_releases_the_held_rows() -> None:
     core = make_core(num_rows=1)
     a = submit(core, "a", 0.0)
     submit(core, "b", 0.0)
-    waiting = core.submit("c", [1, 2], SamplingParams(max_new_tokens=8), "none", 0.0)  # still being predicted
+    waiting = core.submit("c", [1, 2], SamplingParams(max_new_tokens=8), "none", 0.0)  # submitted, not yet queued
     step(core, 1.0)
     ended = core.fail_all(SchedulerFault("boom"))
     assert set(failures(ended)) == {"a", "b", "c"} and ended.releases == (Release("a", 0, speculates=False),)
-    core.enqueue(waiting, None)  # its prediction comes back after the failure: it stays ended
+    core.enqueue(waiting, None)  # queued after the failure: it stays ended
+    assert not core.set_prediction(waiting, 3.0)  # and so does a prediction that lands late
     assert core.snapshot()["num_queued"] == 0 and core.plan(2.0).is_idle
     submit(core, "a", 3.0)  # ids are free again and the next request runs
     assert admitted(core.plan(3.0)) == ["a"] and core.cancel(a) is None

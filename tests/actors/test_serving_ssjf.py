@@ -118,3 +118,27 @@ async def test_a_predictor_for_another_model_fails_the_start(tiny_folder: Path) 
     with pytest.raises(Exception, match="train one for this model"):
         async with Server(bad):
             pass
+
+
+async def test_a_client_length_hint_orders_the_request_instead_of_the_predictor(
+        tiny_folder: Path, predictor_path: Path) -> None:
+    """Through the whole server: the same prompt twice behind a blocker, the later one with a
+    short length hint; the hint, not the predictor (which says ~20 tokens for both), orders it."""
+    async with Server(config(tiny_folder, predictor_path, "ssjf")) as server, Client(server.endpoint) as client:
+        finished: list[str] = []
+        blocker = client.stream([3, 4], speculate="none", max_tokens=150)
+        async for _ in blocker:
+            break
+        plain = asyncio.ensure_future(client.generate(SHORT_PROMPT, speculate="none", max_tokens=PREDICTOR_CAP))
+        plain.add_done_callback(lambda _: finished.append("plain"))
+        await asyncio.sleep(0.05)
+        hinted = asyncio.ensure_future(client.generate(SHORT_PROMPT, speculate="none", max_tokens=PREDICTOR_CAP,
+                                                       length_hint=2))
+        hinted.add_done_callback(lambda _: finished.append("hinted"))
+        async for _ in blocker:
+            pass
+        plain_done, hinted_done = await asyncio.wait_for(asyncio.gather(plain, hinted), 120)
+        assert finished == ["hinted", "plain"]
+        assert hinted_done.predicted_len is None and plain_done.predicted_len is not None
+        stats: dict[str, Any] = await server.scheduler.ask("stats")
+        assert stats["num_hinted"] == 1 and stats["num_predicted"] == 2  # the blocker and "plain"
