@@ -17,8 +17,8 @@ sampling stays lossless with point masses). A lookup costs microseconds to a few
 (an n-gram hash per length, then at most ``max_matches`` slices), and needs no model.
 
 Memory is bounded by ``capacity``: each stored token carries ``max_ngram - min_ngram + 1``
-index entries; entries of evicted sequences are dropped when a lookup meets them, and each
-n-gram keeps only its ``4 * max_matches`` most recent occurrences.
+index entries, an evicted sequence's entries are removed with it, and each n-gram keeps only
+its ``4 * max_matches`` to ``8 * max_matches`` most recent occurrences.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ class SuffixIndex:
     def extend(self, sequence: _Sequence, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to ``sequence`` and index the n-grams ending at each of them; then
         evict the least recently extended other sequences while over capacity."""
-        if sequence.evicted:  # evicted while its request ran: held again (its pruned entries stay lost)
+        if sequence.evicted:  # evicted while its request ran: held and indexed again
             sequence.evicted = False
+            sequence.indexed = 0
             self._sequences[sequence.key] = sequence
             self._num_tokens += len(sequence.tokens)
         sequence.tokens.extend(int(t) for t in tokens)
@@ -110,9 +111,31 @@ class SuffixIndex:
             oldest = next(iter(self._sequences.values()))
             if oldest is sequence:  # only the one being extended is left
                 break
-            del self._sequences[oldest.key]
-            oldest.evicted = True
-            self._num_tokens -= len(oldest.tokens)
+            self._evict(oldest)
+
+    def _evict(self, sequence: _Sequence) -> None:
+        """Forget ``sequence``: its index entries go too, so the index stays bounded by the
+        tokens held (an n-gram no held sequence has is dropped)."""
+        del self._sequences[sequence.key]
+        sequence.evicted = True
+        self._num_tokens -= len(sequence.tokens)
+        history = sequence.tokens
+        for end in range(1, sequence.indexed + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                key = hash(tuple(history[end - n:end]))
+                entries = self._index.get(key)
+                if entries is None:
+                    continue
+                kept = [entry for entry in entries if entry[0] is not sequence]
+                if kept:
+                    entries[:] = kept
+                else:
+                    del self._index[key]
+
+    @property
+    def num_index_keys(self) -> int:
+        """Distinct n-grams indexed now (bounded by the tokens held times the n-gram lengths)."""
+        return len(self._index)
 
     def continuations(self, sequence: _Sequence, max_depth: int) -> tuple[_Node, int]:
         """The trie of what followed the longest suffix of ``sequence`` found (up to
@@ -126,13 +149,9 @@ class SuffixIndex:
             entries = self._index.get(hash(tuple(suffix)))
             if not entries:
                 continue
-            stale = False
-            for other, start in reversed(entries):
+            for other, start in reversed(entries):  # most recent first
                 if root.count >= self.max_matches:
                     break
-                if other.evicted:
-                    stale = True
-                    continue
                 tokens = other.tokens
                 if start >= len(tokens) or tokens[start - n:start] != suffix:  # its end, or a hash collision
                     continue
@@ -141,8 +160,6 @@ class SuffixIndex:
                 for token in tokens[start:start + max_depth]:
                     node = node.children.setdefault(token, _Node())
                     node.count += 1
-            if stale:
-                entries[:] = [entry for entry in entries if not entry[0].evicted]
             if root.count:
                 return root, n
         return root, 0

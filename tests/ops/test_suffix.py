@@ -106,6 +106,20 @@ def test_memory_is_bounded_and_the_oldest_requests_go_first() -> None:
     assert other.propose(GREEDY, None).num_nodes == 1
 
 
+def test_the_index_stays_bounded_over_many_requests() -> None:
+    """Evicted requests take their index entries with them: a long-running server's index
+    holds no more n-grams than its capacity's tokens carry."""
+    index = SuffixIndex(capacity=200, min_ngram=2, max_ngram=4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        seen(index, torch.randint(0, VOCAB, (30,), generator=gen).tolist())
+    assert index.num_tokens <= 200
+    assert index.num_index_keys <= 3 * 200
+    speculator = SuffixSpeculator(index, VOCAB)
+    speculator.prefill([1, 2])
+    speculator.propose(GREEDY, None)  # lookups still work after the evictions
+
+
 def test_a_request_longer_than_the_capacity_keeps_its_own_tokens() -> None:
     index = SuffixIndex(capacity=8)
     speculator = SuffixSpeculator(index, VOCAB)
