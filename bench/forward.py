@@ -112,11 +112,17 @@ def tree_seconds(model: Transformer, num_nodes: int, repeats: int) -> float:
     return median_seconds(lambda: model(tokens, cache, tree_mask=mask, positions=positions), repeats)
 
 
+AGREEMENT_SETS = ("gsm8k", "humaneval", "mtbench")
+"""The prompt sets the agreement is measured on (the first prompts of each), whatever else is
+fetched into ``bench/data``: the figure must not change with the other sets present."""
+
+
 def chat_prompts(tokenizer: Any, limit: int) -> list[list[int]]:
-    """Chat-templated prompt ids of the first prompts of each fetched prompt set in ``bench/data``."""
+    """Chat-templated prompt ids of the first prompts of each of :data:`AGREEMENT_SETS`."""
     prompts: list[list[int]] = []
-    for path in sorted(DATA_DIR.glob("*.jsonl")):
-        if path.name.startswith("trace"):
+    for name in AGREEMENT_SETS:
+        path = DATA_DIR / f"{name}.jsonl"
+        if not path.exists():
             continue
         lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
         for line in lines[: max(1, limit // 3)]:
