@@ -33,7 +33,7 @@ import hashlib
 import json
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -420,6 +420,33 @@ def pairwise_rank_loss(scores: np.ndarray, log_lengths: np.ndarray) -> tuple[flo
     return loss, grad
 
 
+def _tuned_head(ridge: Predictor, z: np.ndarray, lengths: np.ndarray, l2: Sequence[float],
+                fit: Callable[[np.ndarray, float], np.ndarray], order: np.ndarray, spec: FeatureSpec,
+                max_tokens: int, meta: dict[str, Any], head: str) -> Predictor:
+    """What the ``rank`` and ``ordinal`` heads share once ``fit(indices, l2) -> weights`` is
+    given: the L2 strength chosen by Kendall's tau on an inner 80/20 split (``order``, a
+    permutation), the weights fit on every example, and the score rescaled by least squares to
+    estimate ``log1p(length)`` (a positive scale keeps the order). A score that anti-correlates
+    with length keeps ``ridge``."""
+    y = np.log1p(lengths)
+    inner_val, inner_train = order[: y.size // 5], order[y.size // 5:]
+    best_strength, best_tau = l2[0], -math.inf
+    if len(l2) > 1 and inner_val.size >= 10:
+        for strength in l2:
+            tau = kendall_tau(z[inner_val] @ fit(inner_train, strength), lengths[inner_val])
+            if tau > best_tau:
+                best_strength, best_tau = strength, tau
+    w = fit(np.arange(y.size), best_strength)
+    score = z @ w
+    centred = score - score.mean()
+    slope = float(centred @ (y - y.mean()) / max(float(centred @ centred), 1e-12))
+    if not slope > 0:
+        return ridge
+    intercept = float(y.mean() - slope * score.mean())
+    full_meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, **meta}
+    return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, full_meta, head=head)
+
+
 def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
                        l2: Sequence[float] = (0.1, 1.0, 10.0), num_steps: int = 150, lr: float = 0.05,
                        max_pairs_n: int = 3000, seed: int = 0) -> Predictor:
@@ -450,22 +477,7 @@ def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, ma
         return w
 
     order = rng.permutation(y.size)
-    inner_val, inner_train = order[: y.size // 5], order[y.size // 5:]
-    best_strength, best_tau = l2[0], -math.inf
-    if len(l2) > 1 and inner_val.size >= 10:
-        for strength in l2:
-            tau = kendall_tau(z[inner_val] @ refine(inner_train, strength), lengths[inner_val])
-            if tau > best_tau:
-                best_strength, best_tau = strength, tau
-    w = refine(np.arange(y.size), best_strength)
-    score = z @ w
-    centred = score - score.mean()
-    slope = float(centred @ (y - y.mean()) / max(float(centred @ centred), 1e-12))
-    if not slope > 0:  # a score that anti-correlates with length: keep the ridge head
-        return ridge
-    intercept = float(y.mean() - slope * score.mean())
-    meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, "num_steps": num_steps}
-    return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, meta, head="rank")
+    return _tuned_head(ridge, z, lengths, l2, refine, order, spec, max_tokens, {"num_steps": num_steps}, "rank")
 
 
 def ordinal_loss(scores: np.ndarray, thresholds: np.ndarray, buckets: np.ndarray
@@ -541,23 +553,8 @@ def fit_ordinal_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec,
         return params[0]
 
     order = np.random.default_rng(seed).permutation(y.size)
-    inner_val, inner_train = order[: y.size // 5], order[y.size // 5:]
-    best_strength, best_tau = l2[0], -math.inf
-    if len(l2) > 1 and inner_val.size >= 10:
-        for strength in l2:
-            tau = kendall_tau(z[inner_val] @ fit(inner_train, strength), lengths[inner_val])
-            if tau > best_tau:
-                best_strength, best_tau = strength, tau
-    w = fit(np.arange(y.size), best_strength)
-    score = z @ w
-    centred = score - score.mean()
-    slope = float(centred @ (y - y.mean()) / max(float(centred @ centred), 1e-12))
-    if not slope > 0:  # a score that anti-correlates with length: keep the ridge head
-        return ridge
-    intercept = float(y.mean() - slope * score.mean())
-    meta = {**ridge.meta, "l2": best_strength, "inner_tau": best_tau, "num_steps": num_steps,
-            "bucket_edges": list(edges)}
-    return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, meta, head="ordinal")
+    return _tuned_head(ridge, z, lengths, l2, fit, order, spec, max_tokens,
+                       {"num_steps": num_steps, "bucket_edges": list(edges)}, "ordinal")
 
 
 class OnlineHead:

@@ -19,7 +19,8 @@ from treeserve.actors.gateway import GatewayConfig
 from treeserve.testing.gateway_fakes import fake_gateway
 from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
 from treeserve.client import Client, ServerError
-from treeserve.runtime import Actor, Runtime, handler
+from treeserve.runtime import Runtime
+from treeserve.testing.verifier_fakes import StepVerifier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,34 +36,12 @@ async def test_gateway_ends_a_stream_whose_scheduler_goes_silent() -> None:
     assert [e for e, _ in fake.events] == ["start", "cancelled"]  # the scheduler's stream was closed
 
 
-class SlowVerifier(Actor):
-    """A verifier stand-in: every step emits one token (7) after ``step_s`` seconds."""
-
-    max_concurrency = 8
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-
-    @handler
-    async def prefill(self, body: Any) -> Any:
-        return {"rows": [{"row": r["row"], "length": len(r["prompt_ids"]) - 1} for r in body["rows"]]}
-
-    @handler
-    async def step(self, body: Any) -> Any:
-        await asyncio.sleep(self.step_s)
-        return {"rows": [{"row": r["row"], "accepted": [0], "bonus_token": 7, "new_tokens": [7]} for r in body["rows"]]}
-
-    @handler
-    async def release(self, body: Any) -> None:
-        return None
-
-
 async def test_a_queued_stream_gets_keepalives_within_the_step_timeout() -> None:
     step_timeout_s = 0.8  # keepalive every 0.2 s
     config = SchedulerConfig(num_rows=1, row_capacity=256, vocab_size=100, max_tree_nodes=4,
                              step_timeout_s=step_timeout_s)
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", SlowVerifier(step_s=0.05))
+        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.05))
         scheduler = await rt.node.host("scheduler", SchedulerActor(config, [verifier]))
 
         def body(rid: str, max_tokens: int) -> dict[str, Any]:

@@ -17,33 +17,12 @@ import pytest
 
 from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
 from treeserve.runtime import Actor, ActorRef, Runtime, handler
+from treeserve.testing.verifier_fakes import StepVerifier
 
 pytestmark = pytest.mark.timeout(60)
 
 LONG_PROMPT = [1, 2, 3]  # the stand-in predictor says: long answer
 SHORT_PROMPT = [4, 5, 6]  # short answer
-
-
-class StepVerifier(Actor):
-    """Every step emits one token (7) after ``step_s`` seconds."""
-
-    max_concurrency = 8
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-
-    @handler
-    async def prefill(self, body: Any) -> Any:
-        return {"rows": [{"row": r["row"], "length": len(r["prompt_ids"]) - 1} for r in body["rows"]]}
-
-    @handler
-    async def step(self, body: Any) -> Any:
-        await asyncio.sleep(self.step_s)
-        return {"rows": [{"row": r["row"], "accepted": [0], "bonus_token": 7, "new_tokens": [7]} for r in body["rows"]]}
-
-    @handler
-    async def release(self, body: Any) -> None:
-        return None
 
 
 class SlowPredictor(Actor):
