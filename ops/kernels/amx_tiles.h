@@ -35,12 +35,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Loads the configuration above on the calling thread (each OpenMP thread calls it).
-inline void configure_tiles() {
+// Loads the configuration above on the calling thread (each OpenMP thread calls it): tiles
+// 0..count-1, each 16 rows x 64 bytes (the tree-attention kernel asks for all 8).
+inline void configure_tiles(int count = 5) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < count; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }

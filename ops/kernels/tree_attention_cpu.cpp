@@ -552,19 +552,10 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lengths, 
 constexpr int64_t kTileKeys = 128;  // keys per block at most
 constexpr int64_t kTileDim = 64;    // the head size the tiles take
 
-// Tiles (palette 1), each 16 rows x 64 bytes: tmm0-3 C (scores of 16 keys in tmm0/tmm1; the
-// weighted values' 16 x 64 fp32 sums in tmm0-3), tmm4/tmm5 A (keys' dims 0-31 / 32-63; the
-// weights in tmm4), tmm6/tmm7 B (queries' pairs of dims 0-31 / 32-63; the values of 16 dims).
-inline void configure_attention_tiles() {
-  treeserve_amx::TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (all 8 of treeserve_amx::configure_tiles' 16 x 64 bytes): tmm0-3 C (scores of 16 keys
+// in tmm0; the weighted values' 16 x 64 fp32 sums in tmm0-3), tmm4/tmm5 A (keys' dims 0-31 /
+// 32-63; the weights in tmm4), tmm6/tmm7 B (queries' pairs of dims 0-31 / 32-63; the values of
+// 16 dims).
 
 // 2^y for weights that are then rounded to bf16: y = n + f, |f| <= 1/2, 2^f by a degree-4
 // polynomial (relative error below 5e-5, a fortieth of bf16's rounding), scaled by 2^n with
@@ -804,7 +795,7 @@ void attend_tiles(const uint16_t* q, const uint16_t* keys, const uint16_t* value
   }
 #pragma omp parallel num_threads(threads)
   {
-    configure_attention_tiles();
+    treeserve_amx::configure_tiles(8);
     TileScratch scratch(tiles * 16);
     const int64_t stride = omp_get_num_threads();
 #pragma omp for schedule(static, 1)
