@@ -137,13 +137,13 @@ class SuffixIndex:
         """Distinct n-grams indexed now (bounded by the tokens held times the n-gram lengths)."""
         return len(self._index)
 
-    def continuations(self, sequence: _Sequence, max_depth: int) -> tuple[_Node, int]:
+    def continuations(self, sequence: _Sequence, max_depth: int) -> _Node:
         """The trie of what followed the longest suffix of ``sequence`` found (up to
-        ``max_depth`` tokens each, counts per node) and that suffix's length (0: none)."""
+        ``max_depth`` tokens each, counts per node; an empty root when none was found)."""
         history = sequence.tokens
         root = _Node()
         if max_depth < 1:
-            return root, 0
+            return root
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             suffix = history[len(history) - n:]
             entries = self._index.get(hash(tuple(suffix)))
@@ -161,8 +161,8 @@ class SuffixIndex:
                     node = node.children.setdefault(token, _Node())
                     node.count += 1
             if root.count:
-                return root, n
-        return root, 0
+                return root
+        return root
 
 
 class SuffixSpeculator:
@@ -210,7 +210,7 @@ class SuffixSpeculator:
         depth = self.num_draft_tokens if max_depth is None else min(max_depth, self.num_draft_tokens)
         budget = self.max_nodes if max_nodes is None else max_nodes
         builder = TokenTreeBuilder(self._sequence.tokens[-1], with_probs=not params.is_greedy)
-        trie, _ = self.index.continuations(self._sequence, depth)
+        trie = self.index.continuations(self._sequence, depth)
         order = itertools.count()
         frontier: list[tuple[float, int, int, _Node, int]] = []  # (-probability, order, parent slot, node, token)
         for token, child in trie.children.items():

@@ -135,15 +135,8 @@ def test_dynamic_tree_keeps_the_likeliest_paths() -> None:
     assert tree.num_nodes == 9 and int(tree.depths().max()) <= 4
 
     def paths(t):  # type: ignore[no-untyped-def]
-        parents, tokens = t.parents.tolist(), t.tokens.tolist()
-        out = set()
-        for node in range(1, len(tokens)):
-            path, walk = [], node
-            while walk > 0:
-                path.append(tokens[walk])
-                walk = parents[walk]
-            out.add(tuple(reversed(path)))
-        return out
+        tokens = t.tokens.tolist()
+        return {tuple(tokens[i] for i in t.path_to(node)[1:]) for node in range(1, t.num_nodes)}
 
     sizes = [paths(speculator.propose(greedy, None, max_nodes=n)) for n in range(2, 10)]
     assert all(len(a) == n - 1 and a < b for n, (a, b) in enumerate(zip(sizes, sizes[1:]), start=2))

@@ -22,15 +22,8 @@ def seen(index: SuffixIndex, *sequences: list[int]) -> None:
 
 def paths(tree: TokenTree) -> set[tuple[int, ...]]:
     """Every root-to-node token path of ``tree`` (root excluded)."""
-    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
-    found = set()
-    for node in range(1, len(tokens)):
-        path, at = [], node
-        while at > 0:
-            path.append(tokens[at])
-            at = parents[at]
-        found.add(tuple(reversed(path)))
-    return found
+    tokens = tree.tokens.tolist()
+    return {tuple(tokens[i] for i in tree.path_to(node)[1:]) for node in range(1, tree.num_nodes)}
 
 
 def test_proposes_what_followed_the_same_suffix_in_another_request() -> None:
