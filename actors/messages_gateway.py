@@ -56,13 +56,17 @@ class GenerateBody:
         speculate = body.get("speculate", Speculate.TREE.value)
         if speculate not in tuple(Speculate):
             raise ValueError(f"speculate must be one of {tuple(m.value for m in Speculate)}, got {speculate!r}")
-        length_hint = body.get("length_hint")
-        if length_hint is not None and (isinstance(length_hint, bool) or not isinstance(length_hint, int)
-                                        or length_hint < 1):
-            raise ValueError(f"length_hint must be an int >= 1, got {length_hint!r}")
+        length_hint = check_length_hint(body.get("length_hint"))
         request_id = body.get("request_id")
         return cls(request_id if isinstance(request_id, str) and request_id else None, tuple(prompt), params,
                    Speculate(speculate), length_hint)
+
+
+def check_length_hint(value: Any) -> int | None:
+    """``value`` if it is None or an int (not a bool) >= 1: a client's expected output tokens."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"length_hint must be an int >= 1, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -85,4 +89,4 @@ class FinishBody:
         return cls(check_request_id(body["request_id"]), num_tokens)
 
 
-__all__ = ["FinishBody", "GenerateBody"]
+__all__ = ["FinishBody", "GenerateBody", "check_length_hint"]

@@ -35,6 +35,7 @@ import numpy as np
 from treeserve.actors.acceptance import mean_tokens_per_step
 from treeserve.actors.adaptive import AdaptiveSpeculation
 from treeserve.actors.adaptive_config import AdaptiveConfig
+from treeserve.actors.messages_gateway import check_length_hint
 from treeserve.actors.policy import QueuedRequest
 from treeserve.actors.scheduler_proposals import proposal_asks, take_proposals, verified_tree
 from treeserve.actors.scheduler_types import (
@@ -125,9 +126,10 @@ class SchedulerCore:
         queues it. ``length_hint``: the client's expected output tokens, if it sent one."""
         if speculate not in SPECULATE_MODES:
             raise InvalidRequest(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
-        if length_hint is not None and (isinstance(length_hint, bool) or not isinstance(length_hint, int)
-                                        or length_hint < 1):
-            raise InvalidRequest(f"length_hint must be an int >= 1, got {length_hint!r}")
+        try:
+            check_length_hint(length_hint)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         if len(prompt_ids) + params.max_new_tokens + self.config.max_tree_nodes > self.config.row_capacity:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) does not fit the "
