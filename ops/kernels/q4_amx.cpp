@@ -46,7 +46,6 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
-using treeserve_amx::group_products;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
 using treeserve_cpu::over_row_chunks;
@@ -111,47 +110,102 @@ int ts_q4_amx_init(void) { return treeserve_amx::init(true); }
 
 namespace {
 
+// Issues one row tile's products of the loaded group (B tiles tmm3, tmm4) on C pair P: tmm0, tmm1
+// with A in tmm2, or tmm5, tmm6 with A in tmm7 (two row tiles alternate, so one's products run
+// while the other's are stored); then stores them.
+template <int P>
+inline void issue_row_tile(const uint16_t* a, int64_t stride_bytes) {
+  if constexpr (P == 0) {  // the tile intrinsics take literal tile numbers
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a, stride_bytes);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  } else {
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_loadd(7, a, stride_bytes);
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_dpbf16ps(6, 7, 4);
+  }
+}
+
+template <int P>
+inline void store_row_tile(float* c) {
+  if constexpr (P == 0) {
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+  } else {
+    _tile_stored(5, c, 64);
+    _tile_stored(6, c + 256, 64);
+  }
+}
+
 // Output blocks [nb_begin, nb_end) of 32 columns, on one thread (arguments by value, so the
-// compiler knows no store aliases them).
+// compiler knows no store aliases them). Software-pipelined over the groups: group g's tile
+// products are issued first, then the vector work that does not wait for them (widening group
+// g + 1's codes, scaling group g - 1's stored products into the sums), then group g's products
+// are stored; the tiles' latency hides behind that work. Against widening, multiplying and
+// scaling each group in turn, on a decode step's 120 weights (three alternating rounds): 16 rows
+// 8.15 against 9.02 ms (median), 64 rows unchanged (22.2-22.5 against 22.3).
 void gemm_blocks(const uint16_t* xa, const float* xs, const int64_t M, const int64_t K, const int64_t N,
                  const uint8_t* codes, const uint16_t* sz, uint16_t* y, const int64_t nb_begin, const int64_t nb_end) {
   const int64_t G = K / 32, MT = (M + 15) / 16, Mp = MT * 16;
   const __m512i table = code_table();
-  configure_tiles();
-  alignas(64) uint16_t bbuf[2][16 * 32];
-  alignas(64) float cbuf[2][16 * 16];
+  configure_tiles(8);
+  alignas(64) uint16_t bbuf[2][2][16 * 32];
+  // cbuf[g & 1][mt]: row tile mt's products of group g, its 32 columns as two 16 x 16 tiles.
+  float* cbuf = static_cast<float*>(aligned_alloc(64, 2 * MT * 512 * 4));
   float* acc = static_cast<float*>(aligned_alloc(64, Mp * 32 * 4));
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     memset(acc, 0, Mp * 32 * 4);
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* src = codes + (nb * G + g) * kBlockBytes;
-      const uint16_t* s = sz + (nb * G + g) * 64;
-      prefetch_group(src, s);
-      expand_tile(src, bbuf[0], table);
-      expand_tile(src + 256, bbuf[1], table);
-      load_b_tiles(bbuf[0], bbuf[1]);
+    const uint8_t* block = codes + nb * G * kBlockBytes;
+    const uint16_t* block_sz = sz + nb * G * 64;
+    auto widen = [&](int64_t g) {
+      prefetch_group(block + g * kBlockBytes, block_sz + g * 64);
+      expand_tile(block + g * kBlockBytes, bbuf[g & 1][0], table);
+      expand_tile(block + g * kBlockBytes + 256, bbuf[g & 1][1], table);
+    };
+    auto scale = [&](int64_t g) {
+      const uint16_t* s = block_sz + g * 64;
       const __m512 s0 = bf16x16_to_f32(s), s1 = bf16x16_to_f32(s + 16);
       const __m512 z0 = bf16x16_to_f32(s + 32), z1 = bf16x16_to_f32(s + 48);
-      for (int64_t mt = 0; mt < MT; ++mt) {
-        group_products(xa + mt * 16 * K + g * 32, K * 2, cbuf[0], cbuf[1]);
-        const int64_t valid = M - mt * 16 < 16 ? M - mt * 16 : 16;
-        for (int64_t r = 0; r < valid; ++r) {
-          const int64_t m = mt * 16 + r;
-          float* a = acc + m * 32;
-          const __m512 sums = _mm512_set1_ps(xs[m * G + g]);
-          __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(cbuf[0] + r * 16), s0, _mm512_load_ps(a));
-          __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(cbuf[1] + r * 16), s1, _mm512_load_ps(a + 16));
-          _mm512_store_ps(a, _mm512_fmadd_ps(sums, z0, a0));
-          _mm512_store_ps(a + 16, _mm512_fmadd_ps(sums, z1, a1));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* c = cbuf + ((g & 1) * MT + m / 16) * 512 + (m % 16) * 16;
+        float* a = acc + m * 32;
+        const __m512 sums = _mm512_set1_ps(xs[m * G + g]);
+        __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c), s0, _mm512_load_ps(a));
+        __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c + 256), s1, _mm512_load_ps(a + 16));
+        _mm512_store_ps(a, _mm512_fmadd_ps(sums, z0, a0));
+        _mm512_store_ps(a + 16, _mm512_fmadd_ps(sums, z1, a1));
+      }
+    };
+    widen(0);
+    for (int64_t g = 0; g < G; ++g) {
+      load_b_tiles(bbuf[g & 1][0], bbuf[g & 1][1]);
+      float* c = cbuf + (g & 1) * MT * 512;
+      for (int64_t mt = 0; mt < MT; ++mt) {  // row tile mt - 1 is stored while mt multiplies
+        if (mt % 2 == 0) {
+          issue_row_tile<0>(xa + mt * 16 * K + g * 32, K * 2);
+          if (mt > 0) store_row_tile<1>(c + (mt - 1) * 512);
+        } else {
+          issue_row_tile<1>(xa + mt * 16 * K + g * 32, K * 2);
+          store_row_tile<0>(c + (mt - 1) * 512);
         }
       }
+      if (g + 1 < G) widen(g + 1);
+      if (g > 0) scale(g - 1);
+      if ((MT - 1) % 2 == 0) store_row_tile<0>(c + (MT - 1) * 512);
+      else store_row_tile<1>(c + (MT - 1) * 512);
     }
+    scale(G - 1);
     for (int64_t m = 0; m < M; ++m) {
       uint16_t* out = y + m * N + nb * 32;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + m * 32)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + m * 32 + 16)));
     }
   }
+  free(cbuf);
   free(acc);
   _tile_release();
 }
