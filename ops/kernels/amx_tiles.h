@@ -4,9 +4,9 @@
 // cpu_blocks.h, the split of output blocks over torch's threads). Header-only; cpp_build keys every kernel's build
 // on this directory's headers too.
 //
-// Tiles (palette 1): tmm0, tmm1 C (16 x 16 fp32); tmm2 A (16 rows x 32 bf16); tmm3, tmm4 B
-// (16 row pairs x 16 columns x 2, the VNNI layout). One tile product is then one group of 32
-// along K, which is what both weight formats' scales are per.
+// Tiles (palette 1): tmm0, tmm1 and tmm5, tmm6 C (16 x 16 fp32); tmm2 and tmm7 A (16 rows x 32
+// bf16); tmm3, tmm4 B (16 row pairs x 16 columns x 2, the VNNI layout). One tile product is then
+// one group of 32 along K, which is what both weight formats' scales are per.
 
 #pragma once
 
@@ -86,16 +86,36 @@ inline void load_b_tiles(const uint16_t* b0, const uint16_t* b1) {
   _tile_loadd(4, b1, 64);
 }
 
-// One group's products for 16 rows: A = 16 rows of 32 bf16 at a (row stride stride_bytes)
-// times the loaded B tiles, stored as fp32 columns 0..15 in c0 and 16..31 in c1 (16 x 16 each).
-inline void group_products(const uint16_t* a, int64_t stride_bytes, float* c0, float* c1) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_loadd(2, a, stride_bytes);
-  _tile_dpbf16ps(0, 2, 3);
-  _tile_dpbf16ps(1, 2, 4);
-  _tile_stored(0, c0, 64);
-  _tile_stored(1, c1, 64);
+// One group's products for a row tile of 16 rows (A: 16 rows of 32 bf16 at a, row stride
+// stride_bytes) times the loaded B tiles (tmm3, tmm4: configure_tiles(8)), on C pair P: tmm0,
+// tmm1 with A in tmm2, or tmm5, tmm6 with A in tmm7. Two row tiles alternate, so one's products
+// run while the other's are stored (store_row_tile: columns 0..15 at c, 16..31 at c + 256).
+template <int P>
+inline void issue_row_tile(const uint16_t* a, int64_t stride_bytes) {
+  if constexpr (P == 0) {  // the tile intrinsics take literal tile numbers
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a, stride_bytes);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  } else {
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_loadd(7, a, stride_bytes);
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_dpbf16ps(6, 7, 4);
+  }
+}
+
+template <int P>
+inline void store_row_tile(float* c) {
+  if constexpr (P == 0) {
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+  } else {
+    _tile_stored(5, c, 64);
+    _tile_stored(6, c + 256, 64);
+  }
 }
 
 // x (M, K) bf16 copied to whole tiles of 16 rows, the padding zero (free() it).

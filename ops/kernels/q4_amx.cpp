@@ -46,6 +46,8 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
+using treeserve_amx::issue_row_tile;
+using treeserve_amx::store_row_tile;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
 using treeserve_cpu::over_row_chunks;
@@ -109,37 +111,6 @@ int ts_q4_amx_init(void) { return treeserve_amx::init(true); }
 }  // extern "C"
 
 namespace {
-
-// Issues one row tile's products of the loaded group (B tiles tmm3, tmm4) on C pair P: tmm0, tmm1
-// with A in tmm2, or tmm5, tmm6 with A in tmm7 (two row tiles alternate, so one's products run
-// while the other's are stored); then stores them.
-template <int P>
-inline void issue_row_tile(const uint16_t* a, int64_t stride_bytes) {
-  if constexpr (P == 0) {  // the tile intrinsics take literal tile numbers
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, a, stride_bytes);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-  } else {
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_loadd(7, a, stride_bytes);
-    _tile_dpbf16ps(5, 7, 3);
-    _tile_dpbf16ps(6, 7, 4);
-  }
-}
-
-template <int P>
-inline void store_row_tile(float* c) {
-  if constexpr (P == 0) {
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + 256, 64);
-  } else {
-    _tile_stored(5, c, 64);
-    _tile_stored(6, c + 256, 64);
-  }
-}
 
 // Output blocks [nb_begin, nb_end) of 32 columns, on one thread (arguments by value, so the
 // compiler knows no store aliases them). Software-pipelined over the groups: group g's tile

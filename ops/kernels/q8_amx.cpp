@@ -40,7 +40,8 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
-using treeserve_amx::group_products;
+using treeserve_amx::issue_row_tile;
+using treeserve_amx::store_row_tile;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
 
@@ -124,39 +125,61 @@ inline void expand_tile(const int8_t* src, uint16_t* dst) {
   }
 }
 
-// M rows (padded to whole tiles in xa) for output blocks [nb_begin, nb_end), AMX tiles.
+// M rows (padded to whole tiles in xa) for output blocks [nb_begin, nb_end), AMX tiles,
+// software-pipelined over the groups as q4_amx.cpp's gemm_blocks: group g's tile products are
+// issued, then group g + 1's codes are widened and group g - 1's stored products scaled while
+// they run, then group g's are stored.
 void tile_blocks(const uint16_t* xa, int64_t M, int64_t K, int64_t N, const int8_t* codes, const uint16_t* scales,
                  float* y, int64_t nb_begin, int64_t nb_end) {
   const int64_t G = K / 32, MT = (M + 15) / 16;
-  configure_tiles();
-  alignas(64) uint16_t bbuf[2][16 * 32];
-  alignas(64) float cbuf[2][16 * 16];
+  configure_tiles(8);
+  alignas(64) uint16_t bbuf[2][2][16 * 32];
+  // cbuf[g & 1][mt]: row tile mt's products of group g, its 32 columns as two 16 x 16 tiles.
+  float* cbuf = static_cast<float*>(aligned_alloc(64, 2 * MT * 512 * 4));
   // The block's sums, contiguous, copied into y's rows (N apart) at the end: accumulating in y
   // itself took 10.5 ms a call at 64 rows against 7.1 ms so (measured).
   float* acc = static_cast<float*>(aligned_alloc(64, MT * 16 * 32 * 4));
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     memset(acc, 0, MT * 16 * 32 * 4);
-    for (int64_t g = 0; g < G; ++g) {
-      const int8_t* src = codes + (nb * G + g) * kBlockBytes;
-      prefetch_block(src);
-      expand_tile(src, bbuf[0]);
-      expand_tile(src + 512, bbuf[1]);
-      load_b_tiles(bbuf[0], bbuf[1]);
+    const int8_t* block = codes + nb * G * kBlockBytes;
+    auto widen = [&](int64_t g) {
+      prefetch_block(block + g * kBlockBytes);
+      expand_tile(block + g * kBlockBytes, bbuf[g & 1][0]);
+      expand_tile(block + g * kBlockBytes + 512, bbuf[g & 1][1]);
+    };
+    auto scale = [&](int64_t g) {
       const uint16_t* s = scales + (nb * G + g) * 32;
       const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
-      for (int64_t mt = 0; mt < MT; ++mt) {
-        group_products(xa + mt * 16 * K + g * 32, K * 2, cbuf[0], cbuf[1]);
-        const int64_t valid = M - mt * 16 < 16 ? M - mt * 16 : 16;
-        for (int64_t r = 0; r < valid; ++r) {
-          float* out = acc + (mt * 16 + r) * 32;
-          _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_load_ps(cbuf[0] + r * 16), d0, _mm512_load_ps(out)));
-          _mm512_store_ps(out + 16, _mm512_fmadd_ps(_mm512_load_ps(cbuf[1] + r * 16), d1, _mm512_load_ps(out + 16)));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* c = cbuf + ((g & 1) * MT + m / 16) * 512 + (m % 16) * 16;
+        float* out = acc + m * 32;
+        _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_load_ps(c), d0, _mm512_load_ps(out)));
+        _mm512_store_ps(out + 16, _mm512_fmadd_ps(_mm512_load_ps(c + 256), d1, _mm512_load_ps(out + 16)));
+      }
+    };
+    widen(0);
+    for (int64_t g = 0; g < G; ++g) {
+      load_b_tiles(bbuf[g & 1][0], bbuf[g & 1][1]);
+      float* c = cbuf + (g & 1) * MT * 512;
+      for (int64_t mt = 0; mt < MT; ++mt) {  // row tile mt - 1 is stored while mt multiplies
+        if (mt % 2 == 0) {
+          issue_row_tile<0>(xa + mt * 16 * K + g * 32, K * 2);
+          if (mt > 0) store_row_tile<1>(c + (mt - 1) * 512);
+        } else {
+          issue_row_tile<1>(xa + mt * 16 * K + g * 32, K * 2);
+          store_row_tile<0>(c + (mt - 1) * 512);
         }
       }
+      if (g + 1 < G) widen(g + 1);
+      if (g > 0) scale(g - 1);
+      if ((MT - 1) % 2 == 0) store_row_tile<0>(c + (MT - 1) * 512);
+      else store_row_tile<1>(c + (MT - 1) * 512);
     }
+    scale(G - 1);
     for (int64_t m = 0; m < M; ++m) memcpy(y + m * N + nb * 32, acc + m * 32, 32 * sizeof(float));
   }
+  free(cbuf);
   free(acc);
   _tile_release();
 }
