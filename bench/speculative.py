@@ -13,7 +13,9 @@ prompt ids, for every mode and temperature:
   ``tree:distilled`` (with ``--ssm PATH``, a ``treeserve distill`` file; its SSMs are merged)
   and ``tree:merged`` (every available speculator merged);
 - peers on the same weights and dtype: ``hf-generate`` (``generate()``), ``hf-prompt-lookup``
-  (``prompt_lookup_num_tokens=10``), and ``llama-cpp`` when ``llama_cpp`` is importable.
+  (``prompt_lookup_num_tokens=10``), and, when ``llama_cpp`` is importable, ``llama-cpp`` and
+  ``llama-cpp-lookup`` (llama-cpp-python's speculative decoding with its prompt-lookup draft,
+  ``LlamaPromptLookupDecoding(num_pred_tokens=10)``: the model-free drafter it ships).
 
 Prompts are the outer loop: each prompt runs every mode (order rotated per prompt) before the
 next, after one untimed warm-up generation per mode, so slow drift on a shared machine hits
@@ -68,9 +70,10 @@ logger = logging.getLogger("bench.speculative")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TREESERVE_MODES = ("incremental", "chain", "tree:ngram", "tree:suffix", "tree:feature", "tree:distilled", "tree:merged")
-PEER_MODES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
+PEER_MODES = ("hf-generate", "hf-prompt-lookup", "llama-cpp", "llama-cpp-lookup")
 ALL_MODES = TREESERVE_MODES + PEER_MODES
 HF_PROMPT_LOOKUP_TOKENS = 10
+LLAMA_CPP_LOOKUP_TOKENS = 10  # as HF_PROMPT_LOOKUP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -301,12 +304,19 @@ def hf_mode(hf_model: Any, name: str, *, prompt_lookup_num_tokens: int | None = 
     return Mode(name, run, False, f"prompt_lookup_num_tokens={prompt_lookup_num_tokens}" if prompt_lookup_num_tokens else "")
 
 
-def llama_cpp_mode(gguf: Path, *, threads: int, n_ctx: int, seed: int) -> Mode:
-    """llama-cpp-python on the GGUF itself (its own quantized kernels); ``reset()`` before each run."""
+def llama_cpp_mode(gguf: Path, *, threads: int, n_ctx: int, seed: int, lookup: bool = False) -> Mode:
+    """llama-cpp-python on the GGUF itself (its own quantized kernels); ``reset()`` before each run.
+    ``lookup``: with its prompt-lookup draft model (``llama-cpp-lookup``), whose drafts its
+    ``generate`` verifies in one batch per step, sampling each position in turn (so lossless)."""
     from llama_cpp import Llama
 
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=LLAMA_CPP_LOOKUP_TOKENS)
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, seed=seed,
-                verbose=False)
+                draft_model=draft, verbose=False)
 
     def run(ids: list[int], params: SamplingParams) -> Generated:
         llm.reset()
@@ -321,6 +331,8 @@ def llama_cpp_mode(gguf: Path, *, threads: int, n_ctx: int, seed: int) -> Mode:
                 break
         return Generated(out)
 
+    if lookup:
+        return Mode("llama-cpp-lookup", run, False, f"Q4_1 GGUF, prompt lookup, num_pred_tokens={LLAMA_CPP_LOOKUP_TOKENS}")
     return Mode("llama-cpp", run, False, "Q4_1 GGUF, llama.cpp kernels")
 
 
@@ -465,11 +477,12 @@ def _peer_modes(requested: Sequence[str], source: Path, dtype: torch.dtype, *, t
                 modes.append(hf_mode(hf_model, "hf-generate"))
             if "hf-prompt-lookup" in hf_wanted:
                 modes.append(hf_mode(hf_model, "hf-prompt-lookup", prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS))
-    if "llama-cpp" in requested:
-        try:
-            modes.append(llama_cpp_mode(source, threads=threads, n_ctx=n_ctx, seed=seed))
-        except Exception as exc:  # noqa: BLE001 - llama_cpp is optional and never installed by us
-            available.skipped["llama-cpp"] = f"{type(exc).__name__}: {exc}"
+    for name in ("llama-cpp", "llama-cpp-lookup"):
+        if name in requested:
+            try:
+                modes.append(llama_cpp_mode(source, threads=threads, n_ctx=n_ctx, seed=seed, lookup=name != "llama-cpp"))
+            except Exception as exc:  # noqa: BLE001 - llama_cpp is optional and never installed by us
+                available.skipped[name] = f"{type(exc).__name__}: {exc}"
     return modes
 
 

@@ -176,6 +176,32 @@ def test_llama_cpp_mode_resets_before_each_run_and_stops(monkeypatch: pytest.Mon
     assert events == ["init threads=2", "reset", "generate temp=0.0 top_k=0", "reset", "generate temp=0.8 top_k=0"]
 
 
+def test_llama_cpp_lookup_mode_hands_llama_its_prompt_lookup_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    drafts: list[Any] = []
+
+    class FakeDraft:
+        def __init__(self, num_pred_tokens: int) -> None:
+            self.num_pred_tokens = num_pred_tokens
+
+    class FakeLlama:
+        def __init__(self, **kwargs: Any) -> None:
+            drafts.append(kwargs["draft_model"])
+
+        def reset(self) -> None:
+            pass
+
+        def generate(self, tokens: list[int], **kwargs: Any) -> Any:
+            yield from [9, EOS]
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", types.SimpleNamespace(LlamaPromptLookupDecoding=FakeDraft))
+    plain = bench.llama_cpp_mode(Path("model.gguf"), threads=2, n_ctx=64, seed=0)
+    lookup = bench.llama_cpp_mode(Path("model.gguf"), threads=2, n_ctx=64, seed=0, lookup=True)
+    assert (plain.name, lookup.name) == ("llama-cpp", "llama-cpp-lookup")
+    assert drafts[0] is None and drafts[1].num_pred_tokens == bench.LLAMA_CPP_LOOKUP_TOKENS
+    assert lookup.run([1, 2], SamplingParams(stop_token_ids=(EOS,), max_new_tokens=10)).token_ids == [9, EOS]
+
+
 @pytest.mark.slow
 def test_hf_generate_on_the_same_weights_matches_incremental(model: Any, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
