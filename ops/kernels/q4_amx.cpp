@@ -46,8 +46,7 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
-using treeserve_amx::issue_row_tile;
-using treeserve_amx::store_row_tile;
+using treeserve_amx::pipelined_groups;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
 using treeserve_cpu::over_row_chunks;
@@ -113,12 +112,9 @@ int ts_q4_amx_init(void) { return treeserve_amx::init(true); }
 namespace {
 
 // Output blocks [nb_begin, nb_end) of 32 columns, on one thread (arguments by value, so the
-// compiler knows no store aliases them). Software-pipelined over the groups: group g's tile
-// products are issued first, then the vector work that does not wait for them (widening group
-// g + 1's codes, scaling group g - 1's stored products into the sums), then group g's products
-// are stored; the tiles' latency hides behind that work. Against widening, multiplying and
-// scaling each group in turn, on a decode step's 120 weights (three alternating rounds): 16 rows
-// 8.15 against 9.02 ms (median), 64 rows unchanged (22.2-22.5 against 22.3).
+// compiler knows no store aliases them): each block's groups software-pipelined by
+// treeserve_amx::pipelined_groups (widen: a group's codes to bf16 B tiles; scale: its stored
+// products times the group's scales, plus the zero term, into the block's fp32 sums).
 void gemm_blocks(const uint16_t* xa, const float* xs, const int64_t M, const int64_t K, const int64_t N,
                  const uint8_t* codes, const uint16_t* sz, uint16_t* y, const int64_t nb_begin, const int64_t nb_end) {
   const int64_t G = K / 32, MT = (M + 15) / 16, Mp = MT * 16;
@@ -151,25 +147,7 @@ void gemm_blocks(const uint16_t* xa, const float* xs, const int64_t M, const int
         _mm512_store_ps(a + 16, _mm512_fmadd_ps(sums, z1, a1));
       }
     };
-    widen(0);
-    for (int64_t g = 0; g < G; ++g) {
-      load_b_tiles(bbuf[g & 1][0], bbuf[g & 1][1]);
-      float* c = cbuf + (g & 1) * MT * 512;
-      for (int64_t mt = 0; mt < MT; ++mt) {  // row tile mt - 1 is stored while mt multiplies
-        if (mt % 2 == 0) {
-          issue_row_tile<0>(xa + mt * 16 * K + g * 32, K * 2);
-          if (mt > 0) store_row_tile<1>(c + (mt - 1) * 512);
-        } else {
-          issue_row_tile<1>(xa + mt * 16 * K + g * 32, K * 2);
-          store_row_tile<0>(c + (mt - 1) * 512);
-        }
-      }
-      if (g + 1 < G) widen(g + 1);
-      if (g > 0) scale(g - 1);
-      if ((MT - 1) % 2 == 0) store_row_tile<0>(c + (MT - 1) * 512);
-      else store_row_tile<1>(c + (MT - 1) * 512);
-    }
-    scale(G - 1);
+    pipelined_groups(xa, K, MT, G, bbuf, cbuf, widen, scale);
     for (int64_t m = 0; m < M; ++m) {
       uint16_t* out = y + m * N + nb * 32;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + m * 32)));

@@ -40,8 +40,7 @@ namespace {
 
 using treeserve_amx::bf16x16_to_f32;
 using treeserve_amx::configure_tiles;
-using treeserve_amx::issue_row_tile;
-using treeserve_amx::store_row_tile;
+using treeserve_amx::pipelined_groups;
 using treeserve_amx::load_b_tiles;
 using treeserve_amx::over_blocks;
 
@@ -125,10 +124,8 @@ inline void expand_tile(const int8_t* src, uint16_t* dst) {
   }
 }
 
-// M rows (padded to whole tiles in xa) for output blocks [nb_begin, nb_end), AMX tiles,
-// software-pipelined over the groups as q4_amx.cpp's gemm_blocks: group g's tile products are
-// issued, then group g + 1's codes are widened and group g - 1's stored products scaled while
-// they run, then group g's are stored.
+// M rows (padded to whole tiles in xa) for output blocks [nb_begin, nb_end), AMX tiles, each
+// block's groups software-pipelined by treeserve_amx::pipelined_groups.
 void tile_blocks(const uint16_t* xa, int64_t M, int64_t K, int64_t N, const int8_t* codes, const uint16_t* scales,
                  float* y, int64_t nb_begin, int64_t nb_end) {
   const int64_t G = K / 32, MT = (M + 15) / 16;
@@ -158,25 +155,7 @@ void tile_blocks(const uint16_t* xa, int64_t M, int64_t K, int64_t N, const int8
         _mm512_store_ps(out + 16, _mm512_fmadd_ps(_mm512_load_ps(c + 256), d1, _mm512_load_ps(out + 16)));
       }
     };
-    widen(0);
-    for (int64_t g = 0; g < G; ++g) {
-      load_b_tiles(bbuf[g & 1][0], bbuf[g & 1][1]);
-      float* c = cbuf + (g & 1) * MT * 512;
-      for (int64_t mt = 0; mt < MT; ++mt) {  // row tile mt - 1 is stored while mt multiplies
-        if (mt % 2 == 0) {
-          issue_row_tile<0>(xa + mt * 16 * K + g * 32, K * 2);
-          if (mt > 0) store_row_tile<1>(c + (mt - 1) * 512);
-        } else {
-          issue_row_tile<1>(xa + mt * 16 * K + g * 32, K * 2);
-          store_row_tile<0>(c + (mt - 1) * 512);
-        }
-      }
-      if (g + 1 < G) widen(g + 1);
-      if (g > 0) scale(g - 1);
-      if ((MT - 1) % 2 == 0) store_row_tile<0>(c + (MT - 1) * 512);
-      else store_row_tile<1>(c + (MT - 1) * 512);
-    }
-    scale(G - 1);
+    pipelined_groups(xa, K, MT, G, bbuf, cbuf, widen, scale);
     for (int64_t m = 0; m < M; ++m) memcpy(y + m * N + nb * 32, acc + m * 32, 32 * sizeof(float));
   }
   free(cbuf);
