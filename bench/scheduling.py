@@ -292,12 +292,19 @@ def sweep(pool: Sequence[SimJob], latency: LatencyModel, policies: Sequence[str]
     return rows
 
 
-def read_jobs_csv(path: Path, max_tokens: int) -> list[SimJob]:
-    """Jobs from a predictions CSV (``num_prompt_tokens,num_output_tokens,predicted_len`` columns)."""
+def read_jobs_csv(path: Path, max_tokens: int, sets: Sequence[str] | None = None) -> list[SimJob]:
+    """Jobs from a predictions CSV (``num_prompt_tokens,num_output_tokens,predicted_len`` columns),
+    or from a lengths CSV of ``bench/predictor_data.py`` (no ``predicted_len``: the jobs carry no
+    prediction, which is enough for fcfs and the oracle, e.g. to bound what any predictor can win).
+    ``sets``: only the rows whose ``dataset`` column is one of them."""
     with path.open(encoding="utf-8") as handle:
         rows = list(csv.DictReader(line for line in handle if not line.startswith("#")))
+    if sets is not None:
+        rows = [r for r in rows if r.get("dataset") in sets]
+        if not rows:
+            raise SystemExit(f"{path} has no rows of the sets {', '.join(sets)}")
     return [SimJob(0.0, int(r["num_prompt_tokens"]), max_tokens, int(r["num_output_tokens"]),
-                   float(r["predicted_len"])) for r in rows]
+                   float(r["predicted_len"]) if r.get("predicted_len") else None) for r in rows]
 
 
 # ---------------------------------------------------------------------------------- real server
@@ -764,6 +771,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-model", type=Path, default=None, help="JSON written by --calibrate")
     parser.add_argument("--simulate", action="store_true", help="sweep arrivals in the simulator")
     parser.add_argument("--jobs", type=Path, default=None, help="predictions CSV (train-predictor --predictions-out)")
+    parser.add_argument("--jobs-sets", nargs="+", default=None, metavar="SET",
+                        help="only --jobs rows of these datasets (a lengths CSV's dataset column)")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95])
     parser.add_argument("--num-jobs", type=int, default=400)
     parser.add_argument("--arrival-kinds", nargs="+", default=["poisson", "gamma"], choices=["poisson", "gamma", "burst"],
@@ -810,7 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency = LatencyModel() if args.latency_model is None else _load_latency(args)
         if args.jobs is None:
             raise SystemExit("--simulate needs --jobs (a predictions CSV from treeserve train-predictor --predictions-out)")
-        pool = read_jobs_csv(args.jobs, args.max_tokens)
+        pool = read_jobs_csv(args.jobs, args.max_tokens, args.jobs_sets)
         policies = list(dict.fromkeys([*args.policy, SSJF_MAX_TOKENS, SJF_ORACLE]))
         rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
                      loads=args.loads, num_jobs=args.num_jobs, seed=args.seed, kinds=args.arrival_kinds)

@@ -257,3 +257,16 @@ def test_capacity_and_oracle_gain_share() -> None:
     assert sched.oracle_gain_share(table, "fcfs") == 0.0
     table["sjf-oracle"]["mean_jct_s"] = 100.0  # no gain to share
     assert math.isnan(sched.oracle_gain_share(table, "ssjf"))
+
+
+def test_jobs_come_from_a_predictions_csv_or_a_lengths_csv_of_some_sets(tmp_path: Path) -> None:
+    predictions = tmp_path / "predictions.csv"
+    predictions.write_text("num_prompt_tokens,num_output_tokens,predicted_len\n10,5,7.5\n", encoding="utf-8")
+    assert sched.read_jobs_csv(predictions, 512) == [sched.SimJob(0.0, 10, 512, 5, 7.5)]
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text('# script: "bench/predictor_data.py"\ndataset,id,num_prompt_tokens,num_output_tokens\n'
+                       "gsm8k,1,20,30\nsynthetic,2,5,6\n", encoding="utf-8")
+    assert sched.read_jobs_csv(lengths, 256) == [sched.SimJob(0.0, 20, 256, 30, None), sched.SimJob(0.0, 5, 256, 6, None)]
+    assert sched.read_jobs_csv(lengths, 256, sets=["gsm8k"]) == [sched.SimJob(0.0, 20, 256, 30, None)]
+    with pytest.raises(SystemExit):
+        sched.read_jobs_csv(lengths, 256, sets=["mtbench"])
