@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -42,6 +42,7 @@ class Outcome:
     num_ahead: dict[str, int]  # request_id -> requests queued when it was added
     arrivals: list[float]  # every arrival time of the stream
     num_left: int
+    rekeyed_at: dict[str, float] = field(default_factory=dict)  # request_id -> when its prediction re-keyed it
 
     def bound_count(self, request: QueuedRequest) -> int:
         """Upper bound on A_r: queued at r's arrival plus arrivals in (a_r, a_r + max_wait_s]."""
@@ -49,22 +50,39 @@ class Outcome:
         return self.num_ahead[request.request_id] + sum(a < t <= a + MAX_WAIT_S for t in self.arrivals)
 
 
-def run_one_per_step(policy: SchedulingPolicy, stream: list[QueuedRequest], num_steps: int) -> Outcome:
-    """Fake-clock server: each step adds the arrivals so far, then serves one request."""
+def run_one_per_step(policy: SchedulingPolicy, stream: list[QueuedRequest], num_steps: int,
+                     prediction_lag_s: float | None = None) -> Outcome:
+    """Fake-clock server: each step adds the arrivals so far, then serves one request.
+
+    With ``prediction_lag_s``, every request is queued on its prior (no prediction: counts as
+    ``max_tokens``) and re-keyed by its prediction at the first step ``prediction_lag_s`` after
+    it arrived, as the scheduler does (``Outcome.rekeyed_at``)."""
     waits: dict[str, float] = {}
     num_ahead: dict[str, int] = {}
+    rekeyed_at: dict[str, float] = {}
+    lagging: list[QueuedRequest] = []
     pending = iter(stream)
     nxt = next(pending, None)
     for k in range(num_steps):
         now = k * DT
         while nxt is not None and nxt.arrival_s <= now:
             num_ahead[nxt.request_id] = len(policy)
-            policy.add(nxt, now)
+            if prediction_lag_s is None:
+                policy.add(nxt, now)
+            else:
+                policy.add(QueuedRequest(nxt.request_id, nxt.arrival_s, nxt.prompt_len, nxt.max_tokens,
+                                         true_len=nxt.true_len), now)
+                lagging.append(nxt)
             nxt = next(pending, None)
+        if prediction_lag_s is not None:
+            for r in [r for r in lagging if now >= r.arrival_s + prediction_lag_s]:
+                lagging.remove(r)
+                rekeyed_at[r.request_id] = now
+                policy.update(r)
         chosen = policy.pop_next(now)
         if chosen is not None:
             waits[chosen.request_id] = now - chosen.arrival_s
-    return Outcome(waits, num_ahead, [r.arrival_s for r in stream], len(policy))
+    return Outcome(waits, num_ahead, [r.arrival_s for r in stream], len(policy), rekeyed_at)
 
 
 class _UnprotectedSSJF(SSJFPolicy):
@@ -223,35 +241,6 @@ def test_the_default_aging_scale_keeps_a_512_token_burst_shortest_first() -> Non
 PREDICTION_LAG_S = 3.0  # the predictor answers this long after a request arrives
 
 
-def run_with_late_predictions(policy: AgingPolicy, stream: list[QueuedRequest], num_steps: int
-                              ) -> tuple[Outcome, dict[str, float]]:
-    """``run_one_per_step``, but every request is queued on its prior (no prediction: counts as
-    ``max_tokens``) and re-keyed by its prediction at the first step ``PREDICTION_LAG_S`` after
-    it arrived, as the scheduler does. Returns the outcome and each re-key's time."""
-    waits: dict[str, float] = {}
-    num_ahead: dict[str, int] = {}
-    rekeyed_at: dict[str, float] = {}
-    lagging: list[QueuedRequest] = []
-    pending = iter(stream)
-    nxt = next(pending, None)
-    for k in range(num_steps):
-        now = k * DT
-        while nxt is not None and nxt.arrival_s <= now:
-            num_ahead[nxt.request_id] = len(policy)
-            policy.add(QueuedRequest(nxt.request_id, nxt.arrival_s, nxt.prompt_len, nxt.max_tokens,
-                                     true_len=nxt.true_len), now)
-            lagging.append(nxt)
-            nxt = next(pending, None)
-        for r in [r for r in lagging if now >= r.arrival_s + PREDICTION_LAG_S]:
-            lagging.remove(r)
-            rekeyed_at[r.request_id] = now
-            policy.update(r)
-        chosen = policy.pop_next(now)
-        if chosen is not None:
-            waits[chosen.request_id] = now - chosen.arrival_s
-    return Outcome(waits, num_ahead, [r.arrival_s for r in stream], len(policy)), rekeyed_at
-
-
 @pytest.mark.parametrize("make", [lambda: SSJFPolicy(MAX_WAIT_S), lambda: HRRNPolicy(MAX_WAIT_S)], ids=["ssjf", "hrrn"])
 def test_the_bound_holds_when_predictions_land_after_queueing(make: Callable[[], AgingPolicy]) -> None:
     """The documented bound with late predictions: r is promoted by
@@ -259,13 +248,13 @@ def test_the_bound_holds_when_predictions_land_after_queueing(make: Callable[[],
     steps = 200
     stream = adversarial_stream(steps)
     policy = make()
-    out, rekeyed_at = run_with_late_predictions(policy, stream, steps)
+    out = run_one_per_step(policy, stream, steps, prediction_lag_s=PREDICTION_LAG_S)
     assert out.num_left > 100 and "long" in out.waits
     for r in stream:
         if r.request_id not in out.waits:
             continue
         wait = out.waits[r.request_id]
-        promoted = min(r.arrival_s + MAX_WAIT_S, max(policy.deadline(r), rekeyed_at.get(r.request_id, math.inf)))
+        promoted = min(r.arrival_s + MAX_WAIT_S, max(policy.deadline(r), out.rekeyed_at.get(r.request_id, math.inf)))
         assert wait <= (promoted - r.arrival_s) + DT * (1 + out.bound_count(r)), r.request_id
         assert wait <= MAX_WAIT_S + DT * (1 + out.bound_count(r)), r.request_id
     # The long job still goes ahead of every request that arrived more than max_wait_s after it.

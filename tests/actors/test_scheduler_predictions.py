@@ -81,12 +81,19 @@ def config(num_rows: int, **overrides: Any) -> SchedulerConfig:
                               "max_decode_steps": 1, **overrides})
 
 
+async def host_scheduler(rt: Runtime, step_s: float, predictor: SlowPredictor, num_rows: int = 1,
+                         **overrides: Any) -> ActorRef:
+    """A scheduler on ``rt`` over a stand-in verifier taking ``step_s`` a step and ``predictor``."""
+    verifier = await rt.node.host("verifier", StepVerifier(step_s=step_s))
+    predictor_ref = await rt.node.host("predictor", predictor)
+    return await rt.node.host("scheduler", SchedulerActor(config(num_rows, **overrides), [verifier],
+                                                          predictor=predictor_ref))
+
+
 async def test_a_request_at_an_idle_server_is_admitted_without_waiting_for_its_prediction() -> None:
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.01))
         slow = SlowPredictor(delay_s=2.0)
-        predictor = await rt.node.host("predictor", slow)
-        scheduler = await rt.node.host("scheduler", SchedulerActor(config(num_rows=2), [verifier], predictor=predictor))
+        scheduler = await host_scheduler(rt, 0.01, slow, num_rows=2)
         done = await asyncio.wait_for(run(scheduler, "a", LONG_PROMPT, 3), 10)
         assert done["queue_s"] < 0.5 and done["total_s"] < 1.0  # not the predictor's 2 s
         assert "predicted_len" not in done  # the prediction had not landed when it ended
@@ -95,10 +102,8 @@ async def test_a_request_at_an_idle_server_is_admitted_without_waiting_for_its_p
 
 async def test_a_queued_request_is_queued_at_once_and_rekeyed_when_its_prediction_lands() -> None:
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.02))
         slow = SlowPredictor(delay_s=0.2)
-        predictor = await rt.node.host("predictor", slow)
-        scheduler = await rt.node.host("scheduler", SchedulerActor(config(num_rows=1), [verifier], predictor=predictor))
+        scheduler = await host_scheduler(rt, 0.02, slow, num_rows=1)
         finished: list[str] = []
         holding = asyncio.Event()
         blocker = asyncio.ensure_future(run(scheduler, "blocker", [9, 9], 60, holding))  # ~1.2 s on the only row
@@ -123,11 +128,8 @@ async def test_a_queued_request_is_queued_at_once_and_rekeyed_when_its_predictio
 
 async def test_requests_that_arrive_during_a_prediction_share_the_next_batch() -> None:
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.02))
         slow = SlowPredictor(delay_s=0.3)
-        predictor = await rt.node.host("predictor", slow)
-        scheduler = await rt.node.host(
-            "scheduler", SchedulerActor(config(num_rows=1, max_predict_batch=4), [verifier], predictor=predictor))
+        scheduler = await host_scheduler(rt, 0.02, slow, num_rows=1, max_predict_batch=4)
         first = asyncio.ensure_future(run(scheduler, "r0", [9, 9], 30))
         await asyncio.sleep(0.1)  # r0's prediction is in flight
         rest = [asyncio.ensure_future(run(scheduler, f"r{i}", [10 + i], 5)) for i in range(1, 6)]
@@ -140,9 +142,7 @@ async def test_requests_that_arrive_during_a_prediction_share_the_next_batch() -
 
 async def test_a_failing_predictor_leaves_requests_keyed_by_max_tokens_and_served() -> None:
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.01))
-        predictor = await rt.node.host("predictor", SlowPredictor(delay_s=0.0, fail=True))
-        scheduler = await rt.node.host("scheduler", SchedulerActor(config(num_rows=1), [verifier], predictor=predictor))
+        scheduler = await host_scheduler(rt, 0.01, SlowPredictor(delay_s=0.0, fail=True))
         done = await asyncio.wait_for(asyncio.gather(*(run(scheduler, f"r{i}", [5, i], 4) for i in range(3))), 10)
         assert all(d["num_generated_tokens"] == 4 and "predicted_len" not in d for d in done)
         stats = await scheduler.ask("stats")
@@ -151,10 +151,8 @@ async def test_a_failing_predictor_leaves_requests_keyed_by_max_tokens_and_serve
 
 async def test_a_client_length_hint_replaces_the_prediction() -> None:
     async with Runtime() as rt:
-        verifier = await rt.node.host("verifier", StepVerifier(step_s=0.02))
         slow = SlowPredictor(delay_s=0.05)
-        predictor = await rt.node.host("predictor", slow)
-        scheduler = await rt.node.host("scheduler", SchedulerActor(config(num_rows=1), [verifier], predictor=predictor))
+        scheduler = await host_scheduler(rt, 0.02, slow, num_rows=1)
         finished: list[str] = []
         holding = asyncio.Event()
         blocker = asyncio.ensure_future(run(scheduler, "blocker", [9, 9], 30, holding))
