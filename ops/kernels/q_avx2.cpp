@@ -7,7 +7,9 @@
 // with xq = round(x / d), d = max |x| / 127 per group of 32 (llama.cpp's Q8_0 blocks) and xs the
 // exact fp32 sum of the group's bf16 x. vpmaddubsw multiplies the 4-bit codes (u8, 0..15) by xq
 // (s8) in pairs into int16 (at most 2 * 15 * 127 = 3810 a pair, so a group's eight products
-// add up in int16 without saturating: 30480); vpmaddwd widens a group's sums to int32, exactly.
+// add up in int16 without saturating: 30480; they are added with vpaddsw all the same, which GCC
+// cannot reassociate: with vpaddw it computed all 32 products of a 4-row pass first and spilled
+// them); vpmaddwd widens a group's sums to int32, exactly.
 //
 // q8_mm: the LM head (Q8_0 codes, float16 d per 32), in fp32: each code widened to fp32 once
 // per group (exact), times the bf16 rows widened to fp32 (exact products), fp32 sums per group
@@ -123,7 +125,7 @@ void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* x
             for (int m = 0; m < R; ++m) {
               int32_t four;
               memcpy(&four, xq + (m0 + m) * K + g * 32 + 4 * p, sizeof(four));
-              dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(four)));
+              dot[m] = _mm256_adds_epi16(dot[m], _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(four)));
             }
           }
           for (int m = 0; m < R; ++m) {
