@@ -134,6 +134,53 @@ inline void block_values(const float* v, int64_t count, const float (*weight)[25
   }
 }
 
+#if !defined(__AVX512F__)
+// AVX2: scores straight from the cache's key rows, with no transposed copy (on AVX2 a 16 x 16
+// transpose is two dozen shuffles per 16 keys and a head's worth of them per block, which cost
+// more than the products). Per key, its head vector widened to eight fp32 vectors once for the
+// RB rows, eight FMAs a row into two sums, and eight keys' sums reduced at once by horizontal
+// adds (hsum8). The same fp32 products as block_scores, summed in another order.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const uint16_t* p) {  // bf16 -> f32 is exact
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane i: the sum of p[i]'s eight lanes.
+inline __m256 hsum8(const __m256 p[8]) {
+  const __m256 a = _mm256_hadd_ps(p[0], p[1]), b = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 c = _mm256_hadd_ps(p[4], p[5]), d = _mm256_hadd_ps(p[6], p[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // p0..p3 | p4..p7, each lane half a sum
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// score[r][j] = q[r] . k[j] for j in [0, n) (and 0 up to the next multiple of 8).
+template <int RB, int NV, typename T>
+inline void direct_scores(const float (*q)[NV * 16], const T* k, int64_t n, float (*score)[256]) {
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 part[RB][8];
+    for (int i = 0; i < 8; ++i) {
+      if (j + i >= n) {
+        for (int r = 0; r < RB; ++r) part[r][i] = _mm256_setzero_ps();
+        continue;
+      }
+      const T* row = k + (j + i) * NV * 16;
+      __m256 kv[2 * NV];
+      for (int c = 0; c < 2 * NV; ++c) kv[c] = widen8(row + c * 8);
+      for (int r = 0; r < RB; ++r) {
+        __m256 a0 = _mm256_mul_ps(kv[0], _mm256_load_ps(q[r])), a1 = _mm256_mul_ps(kv[1], _mm256_load_ps(q[r] + 8));
+        for (int c = 2; c < 2 * NV; c += 2) {
+          a0 = _mm256_fmadd_ps(kv[c], _mm256_load_ps(q[r] + c * 8), a0);
+          a1 = _mm256_fmadd_ps(kv[c + 1], _mm256_load_ps(q[r] + c * 8 + 8), a1);
+        }
+        part[r][i] = _mm256_add_ps(a0, a1);
+      }
+    }
+    for (int r = 0; r < RB; ++r) _mm256_storeu_ps(score[r] + j, hsum8(part[r]));
+  }
+}
+#endif
+
 // Rows [0, rows) in register blocks: fours, then one block of the 1-3 left.
 template <typename F>
 inline void row_blocks(int64_t rows, F&& run) {
@@ -227,23 +274,32 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     run_sum[r] = 0.0f;
   }
   for (int64_t j0 = j_begin; j0 < j_end; j0 += block) {
-    const int64_t n = std::min(block, j_end - j0), padded = (n + 15) / 16 * 16;
-    // The block's keys widened to float32 and transposed (kt[d * block + j]), its values widened
-    // (vbuf[j * width + d]): once for all of the item's rows.
-    for (int64_t j = 0; j < padded; j += 16) {
-      for (int c = 0; c < NV; ++c) {
-        V16 tile[16];
-        for (int i = 0; i < 16; ++i) {
-          tile[i] = j + i < n ? load(kbase + (j0 + j + i) * hd + c * 16, lanes(c)) : vzero();
-        }
-        transpose16(tile);
-        for (int i = 0; i < 16; ++i) vstore(kt + (c * 16 + i) * block + j, tile[i]);
-      }
-    }
+    const int64_t n = std::min(block, j_end - j0);
+    // The block's values widened (vbuf[j * width + d]), and its scores: on AVX2 straight from the
+    // key rows (direct_scores); otherwise from its keys widened to float32 and transposed
+    // (kt[d * block + j]). Either is done once for all of the item's rows.
     for (int64_t j = 0; j < n; ++j) {
       for (int c = 0; c < NV; ++c) vstore(vbuf + j * width + c * 16, load(vbase + (j0 + j) * hd + c * 16, lanes(c)));
     }
-    row_blocks(rows, [&](auto rb, int64_t r) { block_scores<rb.value, NV>(qs + r, kt, block, padded, hd, score + r); });
+#if !defined(__AVX512F__)
+    if (hd == width) {  // no tail lanes
+      row_blocks(rows, [&](auto rb, int64_t r) { direct_scores<rb.value, NV>(qs + r, kbase + j0 * hd, n, score + r); });
+    } else
+#endif
+    {
+      const int64_t padded = (n + 15) / 16 * 16;
+      for (int64_t j = 0; j < padded; j += 16) {
+        for (int c = 0; c < NV; ++c) {
+          V16 tile[16];
+          for (int i = 0; i < 16; ++i) {
+            tile[i] = j + i < n ? load(kbase + (j0 + j + i) * hd + c * 16, lanes(c)) : vzero();
+          }
+          transpose16(tile);
+          for (int i = 0; i < 16; ++i) vstore(kt + (c * 16 + i) * block + j, tile[i]);
+        }
+      }
+      row_blocks(rows, [&](auto rb, int64_t r) { block_scores<rb.value, NV>(qs + r, kt, block, padded, hd, score + r); });
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const bool* visible = tree_mask + (b * s.num_new + t0 + r / group) * s.num_new;
       block_softmax(score[r], n, j0, committed, visible, run_max[r], run_sum[r], shrink[r]);
