@@ -194,6 +194,30 @@ void q8_blocks(const float* xf, int64_t M, int64_t K, int64_t N, const int8_t* c
       for (int line = 0; line < kQ8BlockBytes / 64; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(src + kQ8PrefetchBytes + line * 64), _MM_HINT_T0);
       const uint16_t* s = scales + (nb * G + g) * 32;
+      if (M == 1) {  // a decode step: the codes widened in registers, not through wf (same sums)
+        const float* xg = xf + g * 32;
+        __m256 part[2][4];
+        for (int h = 0; h < 2; ++h)
+          for (int v = 0; v < 4; ++v) part[h][v] = _mm256_setzero_ps();
+        for (int r = 0; r < 16; ++r) {
+          double pair;
+          memcpy(&pair, xg + 2 * r, sizeof(pair));
+          const __m256 xb = _mm256_castpd_ps(_mm256_set1_pd(pair));
+          for (int h = 0; h < 2; ++h)
+            for (int v = 0; v < 4; ++v)
+              part[h][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                               reinterpret_cast<const __m128i*>(src + h * 512 + r * 32 + v * 8)))),
+                                           xb, part[h][v]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h * 16)));
+          const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h * 16 + 8)));
+          float* a = acc + h * 16;
+          _mm256_store_ps(a, _mm256_fmadd_ps(pair_sums(part[h][0], part[h][1]), d0, _mm256_load_ps(a)));
+          _mm256_store_ps(a + 8, _mm256_fmadd_ps(pair_sums(part[h][2], part[h][3]), d1, _mm256_load_ps(a + 8)));
+        }
+        continue;
+      }
       for (int h = 0; h < 2; ++h) {
         for (int r = 0; r < 16; ++r)
           for (int v = 0; v < 4; ++v)
