@@ -53,12 +53,14 @@ E2E_NEW_TOKENS = 128
 DATA_DIR = Path(__file__).parent / "data"
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2, min_seconds: float = 1.0) -> float:
+    """Median wall seconds of ``fn()`` over at least ``repeats`` runs, and over as many more as
+    fill ``min_seconds`` (seven runs of a 7 ms step are 50 ms of a noisy machine), after
+    ``warmup`` untimed runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < min_seconds:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
