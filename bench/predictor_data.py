@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from treeserve.models import DEFAULT_MODEL, REGISTRY, load_model
-from treeserve.ops.batch_step import prefill_rows
+from treeserve.ops.batch_step import prefill_rows, row_block
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
 
@@ -155,7 +155,7 @@ def generate_batched(
             return num_started
         # Only the rows [0, hi) run; idle rows inside it are padded and never committed.
         hi = max(busy) + 1
-        view = _row_view(cache, hi)
+        view = row_block(cache, 0, hi)
         tokens = torch.tensor([[next_token[r]] for r in range(hi)], dtype=torch.long)
         with torch.inference_mode():
             logits = model(tokens, view)  # (hi, 1, V)
@@ -172,19 +172,6 @@ def generate_batched(
                 job.is_capped = token not in stop_ids
                 rows[r] = None
                 on_done(job)
-
-
-def _row_view(cache: KVCache, stop: int) -> KVCache:
-    """Rows ``[0, stop)`` of ``cache`` as a smaller cache sharing its storage."""
-    import copy
-
-    view = copy.copy(cache)
-    view.keys = [k[:stop] for k in cache.keys]  # (b, n_kv, capacity, hd) views
-    view.values = [v[:stop] for v in cache.values]
-    view.lengths = cache.lengths[:stop]
-    view.batch_size = stop
-    view.num_pending = [0] * stop
-    return view
 
 
 def _git_commit() -> str:

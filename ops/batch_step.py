@@ -245,7 +245,7 @@ def _verify_rows(
     views: list[tuple[int, KVCache]] = []
     try:
         for start, stop in blocks:
-            view = _row_block(cache, start, stop)
+            view = row_block(cache, start, stop)
             views.append((start, view))
             pad = TokenTree.from_parents([-1], [pad_token_id])
             trees = [by_row[r].tree if r in by_row else pad for r in range(start, stop)]
@@ -311,7 +311,7 @@ def _plan_blocks(rows: list[int], num_nodes: dict[int, int], lengths: list[int],
     return blocks
 
 
-def _row_block(cache: KVCache, start: int, stop: int) -> KVCache:
+def row_block(cache: KVCache, start: int, stop: int) -> KVCache:
     """A KVCache over rows ``[start, stop)`` sharing ``cache``'s storage (no copy).
 
     Writes, commits and length updates through the view land in ``cache``. The view has its
@@ -330,5 +330,5 @@ def _row_block(cache: KVCache, start: int, stop: int) -> KVCache:
 
 __all__ = [
     "DEFAULT_PREFILL_BATCH_TOKENS", "DEFAULT_PREFILL_OVERHEAD_TOKENS", "Packer", "RowStep", "prefill_row", "prefill_row_with_states", "prefill_rows",
-    "verify_rows", "verify_rows_with_states",
+    "row_block", "verify_rows", "verify_rows_with_states",
 ]

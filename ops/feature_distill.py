@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treeserve.ops.batch_step import prefill_row_with_states
+from treeserve.ops.batch_step import prefill_rows, row_block
 from treeserve.ops.feature_drafter import FeatureDrafter
 from treeserve.ops.model import Transformer
 
@@ -70,6 +70,7 @@ def generate_state_data(
     max_new_tokens: int,
     stop_ids: frozenset[int] | set[int],
     batch_size: int = 16,
+    save_every: int = 64,
     progress: Progress = _no_progress,
 ) -> list[StateSequence]:
     """The LLM's greedy continuations of ``starts`` with its states, in one pass (no second run).
@@ -77,72 +78,142 @@ def generate_state_data(
     ``starts[i]`` is ``(token ids, prompt_len)``: a chat prompt (``prompt_len`` = its length) or
     a prompt plus the start of the LLM's own greedy answer (from ``treeserve distill``'s teacher
     data), which is continued until ``max_new_tokens`` tokens follow the prompt or a stop token
-    ends it. Each start is prefilled alone (its states and top-1 at every position), then the
-    batch decodes one token per forward. One shard per batch under ``work_dir/states``; shards
-    on disk are loaded, so an interrupted run resumes at the first missing one.
+    ends it. Decoding is continuously batched over ``batch_size`` cache rows: a freed row takes
+    the next start at once (its prefill gives the states and top-1 of every start token), and
+    every busy row advances one token per forward (``model``'s compiled batched step where it
+    has one). Finished sequences are saved ``save_every`` at a time under
+    ``work_dir/states``; a rerun loads them and generates only the rest (a kill loses at most
+    the unsaved ones). ``progress("states", done, total, {"elapsed_s", "eta_s", "tokens_per_s"})``
+    after each finished sequence. Returns the sequences in the order of ``starts``.
     """
-    folder = Path(work_dir) / "states"
-    folder.mkdir(parents=True, exist_ok=True)
-    num_batches = math.ceil(len(starts) / batch_size)
-    out: list[StateSequence] = []
-    begun = time.monotonic()
-    for index in range(num_batches):
-        path = folder / f"shard_{index:05d}.pt"
-        chunk = starts[index * batch_size: (index + 1) * batch_size]
-        if path.exists():
-            records = [StateSequence(**r) for r in torch.load(path, weights_only=True)["records"]]
-        else:
-            records = _continue_with_states(model, chunk, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"records": [r.__dict__ for r in records]}, tmp)
-            tmp.replace(path)
-        out.extend(records)
-        progress("states", index + 1, num_batches, {"elapsed_s": time.monotonic() - begun})
-    return out
-
-
-def _continue_with_states(model: Transformer, starts: Sequence[tuple[Sequence[int], int]], *,
-                          max_new_tokens: int, stop_ids: frozenset[int] | set[int]) -> list[StateSequence]:
-    batch = len(starts)
+    if batch_size < 1 or save_every < 1:
+        raise ValueError(f"need batch_size >= 1 and save_every >= 1, got {batch_size}, {save_every}")
     seqs = [[int(t) for t in ids] for ids, _ in starts]
     prompt_lens = [int(n) for _, n in starts]
     if any(not seq or not 0 < n <= len(seq) for seq, n in zip(seqs, prompt_lens)):
         raise ValueError("every start needs tokens and a prompt_len in [1, its length]")
-    cache = model.new_cache(batch, max(max(len(s) for s in seqs), max(prompt_lens) + max_new_tokens) + 1)
-    device = model.device
-    states: list[list[Tensor]] = [[] for _ in range(batch)]
-    top1: list[list[Tensor]] = [[] for _ in range(batch)]
-    is_done = [False] * batch
+    folder = Path(work_dir) / "states"
+    folder.mkdir(parents=True, exist_ok=True)
+    done: dict[int, StateSequence] = {}
+    for path in sorted(folder.glob("part_*.pt")):
+        for index, record in torch.load(path, weights_only=True)["records"]:
+            if 0 <= index < len(starts) and record["token_ids"][:prompt_lens[index]].tolist() == seqs[index][:prompt_lens[index]]:
+                done[index] = StateSequence(**record)
+    todo = [i for i in range(len(starts)) if i not in done]
+    unsaved: list[tuple[int, StateSequence]] = []
+    begun, new_tokens = time.monotonic(), 0
+
+    def finish(index: int, record: StateSequence) -> None:
+        nonlocal new_tokens
+        done[index] = record
+        unsaved.append((index, record))
+        new_tokens += record.token_ids.numel() - len(starts[index][0])
+        if len(unsaved) >= save_every or len(done) == len(starts):
+            _save_part(folder, unsaved)
+            unsaved.clear()
+        elapsed = time.monotonic() - begun
+        finished_here = len(done) - (len(starts) - len(todo))
+        eta = elapsed / finished_here * (len(starts) - len(done))
+        progress("states", len(done), len(starts), {"elapsed_s": elapsed, "eta_s": eta, "tokens_per_s": new_tokens / elapsed})
+
+    if todo:
+        _continue_batched(model, [(i, seqs[i], prompt_lens[i]) for i in todo], finish,
+                          max_new_tokens=max_new_tokens, stop_ids=stop_ids, batch_size=batch_size)
+    if unsaved:
+        _save_part(folder, unsaved)
+    return [done[i] for i in range(len(starts))]
+
+
+def _save_part(folder: Path, records: list[tuple[int, StateSequence]]) -> None:
+    path = folder / f"part_{len(list(folder.glob('part_*.pt'))):05d}_{min(i for i, _ in records):06d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({"records": [(i, r.__dict__) for i, r in records]}, tmp)
+    tmp.replace(path)
+
+
+def _continue_batched(model: Transformer, jobs: Sequence[tuple[int, list[int], int]],
+                      finish: Callable[[int, StateSequence], None], *, max_new_tokens: int,
+                      stop_ids: frozenset[int] | set[int], batch_size: int) -> None:
+    """Greedy-continue ``(index, tokens, prompt_len)`` jobs over ``batch_size`` rows, calling
+    ``finish(index, record)`` as each ends (see :func:`generate_state_data`)."""
+    cache = model.new_cache(batch_size, max(max(len(t), n + max_new_tokens) for _, t, n in jobs) + 1)
+    rows: list[_Row | None] = [None] * batch_size
+    queue = iter(jobs)
+
+    def close(row: int) -> None:
+        job = rows[row]
+        assert job is not None
+        finish(job.index, job.record())
+        rows[row] = None
+
+    def advance(row: int) -> None:
+        """Append the row's latest top-1; close it on a stop token or its last new token (the
+        last token's state is never computed: it is cut off)."""
+        job = rows[row]
+        assert job is not None
+        token = int(job.top1[-1][-1])
+        job.tokens.append(token)
+        if token in stop_ids or len(job.tokens) - job.prompt_len >= max_new_tokens:
+            close(row)
+
     with torch.no_grad():
-        for row, seq in enumerate(seqs):
-            _, hidden = prefill_row_with_states(model, cache, row, seq)  # (n, D)
-            states[row].append(hidden.to(torch.float16).cpu())
-            top1[row].append(F.linear(hidden, model.lm_head_weight).argmax(-1).cpu())
-            is_done[row] = seq[-1] in stop_ids and len(seq) > prompt_lens[row] or len(seq) - prompt_lens[row] >= max_new_tokens
-        while not all(is_done):
-            for row in range(batch):
-                if not is_done[row]:
-                    token = int(top1[row][-1][-1])
-                    seqs[row].append(token)
-                    is_done[row] = token in stop_ids or len(seqs[row]) - prompt_lens[row] >= max_new_tokens
-            if all(is_done):
-                break
-            feed = torch.tensor([[seq[-1]] for seq in seqs], device=device)  # (B, 1)
-            logits, hidden = model(feed, cache, return_hidden=True)  # finished rows ride along, uncommitted
-            for row in range(batch):
-                if is_done[row]:
-                    cache.commit(row, [])
-                    continue
-                cache.commit(row, [0])
-                states[row].append(hidden[row].to(torch.float16).cpu())
-                top1[row].append(logits[row].argmax(-1).cpu())
-    # The last token's state was never computed (nothing follows it): cut it off.
-    out = []
-    for row in range(batch):
-        state = torch.cat(states[row])
-        length = state.shape[0]
-        out.append(StateSequence(torch.tensor(seqs[row][:length]), state, torch.cat(top1[row]), prompt_lens[row]))
-    return out
+        while True:
+            refill = [row for row in range(batch_size) if rows[row] is None]
+            while refill:  # rows freed by starts that are already complete are refilled at once
+                taken = []
+                for row in refill:
+                    job = next(queue, None)
+                    if job is None:
+                        break
+                    rows[row] = _Row(*job)
+                    taken.append(row)
+                if not taken:
+                    break
+                prefilled = prefill_rows(model, cache, [(row, rows[row].tokens) for row in taken],  # type: ignore[union-attr]
+                                         want_states=True)
+                refill = []
+                for row, (_, hidden) in zip(taken, prefilled):
+                    job = rows[row]
+                    assert job is not None
+                    job.add(hidden, model.logits(hidden).argmax(-1))
+                    tokens, prompt_len = job.tokens, job.prompt_len
+                    if tokens[-1] in stop_ids and len(tokens) > prompt_len or len(tokens) - prompt_len >= max_new_tokens:
+                        close(row)  # a start that is already complete
+                        refill.append(row)
+                    else:
+                        advance(row)
+            busy = [row for row in range(batch_size) if rows[row] is not None]
+            if not busy:
+                return
+            # Only rows [0, hi) run; an idle row inside is fed a dummy token and never committed.
+            hi = max(busy) + 1
+            view = row_block(cache, 0, hi)
+            feed = torch.tensor([[0 if job is None else job.tokens[-1]] for job in rows[:hi]], device=model.device)
+            logits, hidden = model(feed, view, return_hidden=True)  # (hi, 1, V), (hi, 1, D)
+            top1 = logits[:, 0].argmax(-1)
+            for row in range(hi):
+                job = rows[row]
+                view.commit(row, [0] if job is not None else [])
+                if job is not None:
+                    job.add(hidden[row], top1[row : row + 1])
+                    advance(row)
+
+
+class _Row:
+    """One sequence being continued: its tokens, and the states and top-1 computed so far."""
+
+    def __init__(self, index: int, tokens: list[int], prompt_len: int) -> None:
+        self.index, self.tokens, self.prompt_len = index, list(tokens), prompt_len
+        self.states: list[Tensor] = []
+        self.top1: list[Tensor] = []
+
+    def add(self, hidden: Tensor, top1: Tensor) -> None:
+        self.states.append(hidden.to(torch.float16).cpu())
+        self.top1.append(top1.cpu())
+
+    def record(self) -> StateSequence:
+        state = torch.cat(self.states)
+        return StateSequence(torch.tensor(self.tokens[:state.shape[0]]), state, torch.cat(self.top1), self.prompt_len)
 
 
 def draft_vocabulary(data: Sequence[StateSequence], size: int) -> Tensor:

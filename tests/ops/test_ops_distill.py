@@ -285,7 +285,8 @@ def test_cli_distill_features_continues_the_teacher_answers_and_fine_tunes(tmp_p
     with pytest.raises(SystemExit) as done:
         cli.main([*features, "--epochs", "2", "--out", str(first)])
     assert done.value.code == 0 and first.exists()
-    states = [r for s in sorted((work / "states_12" / "states").glob("shard_*.pt")) for r in torch.load(s)["records"]]
+    parts = sorted((work / "states_12" / "states").glob("part_*.pt"))
+    states = [r for _, r in sorted((i, r) for s in parts for i, r in torch.load(s)["records"])]
     assert len(states) == len(teacher) == 10
     for answer, record in zip(teacher, states):
         # The teacher's 6-token answer is continued (to 12 tokens, or to a stop token).

@@ -93,30 +93,48 @@ def test_train_config_rejects_bad_unrolling() -> None:
 
 
 def test_state_data_is_the_greedy_answer_with_its_states_and_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Five prompts over two rows (rows freed by a stop token or the token cap take the next
+    start at once): each record is the prompt's own incremental greedy answer, with the states
+    and top-1 a separate pass computes; a rerun loads the saved parts instead of generating."""
     from treeserve.ops.feature_distill import generate_state_data
     from treeserve.ops.sampling import SamplingParams
     from treeserve.ops.speculative import generate_incremental
 
     verifier = tiny_verifier()
-    prompts = [[3, 9, 27, 81], [5, 6, 7, 8, 9, 10]]
-    data = generate_state_data(verifier, [(p, len(p)) for p in prompts], tmp_path / "a",
-                               max_new_tokens=12, stop_ids=frozenset(), batch_size=2)
+    prompts = [[3, 9, 27, 81], [5, 6, 7, 8, 9, 10], [11, 2], [40, 41, 42], [7]]
+    free = [generate_incremental(verifier, p, SamplingParams(max_new_tokens=12)).token_ids for p in prompts]
+    stop = free[1][5]  # the second answer stops early; others may too
+    calls = []
+    data = generate_state_data(verifier, [(p, len(p)) for p in prompts], tmp_path / "a", max_new_tokens=12,
+                               stop_ids=frozenset({stop}), batch_size=2, save_every=2,
+                               progress=lambda *a: calls.append(a))
+    assert [c[1] for c in calls] == [1, 2, 3, 4, 5] and all(c[2] == 5 for c in calls)
+    lengths = set()
     for prompt, record in zip(prompts, data):
-        answer = generate_incremental(verifier, prompt, SamplingParams(max_new_tokens=12)).token_ids
+        answer = generate_incremental(verifier, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))
         # The last token's state is never computed, so it is cut off.
-        assert record.token_ids.tolist() == prompt + answer[:-1]
+        assert record.token_ids.tolist() == prompt + answer.token_ids[:-1]
         assert record.prompt_len == len(prompt)
         reference = collect_states(verifier, [record.token_ids])[0]
         assert torch.allclose(record.states.float(), reference.states.float(), atol=2e-3)
         assert torch.equal(record.top1, reference.top1)
+        lengths.add(len(answer.token_ids))
+    assert len(lengths) > 1  # rows finished at different steps
     # Continuing the first answer's first 5 tokens ends in the same sequence.
     partial = prompts[0] + data[0].token_ids[4:9].tolist()
-    again = generate_state_data(verifier, [(partial, 4)], tmp_path / "b", max_new_tokens=12, stop_ids=frozenset())
+    again = generate_state_data(verifier, [(partial, 4)], tmp_path / "b", max_new_tokens=12, stop_ids=frozenset({stop}))
     assert again[0].token_ids.tolist() == data[0].token_ids.tolist()
-    # A rerun loads the shard instead of generating.
-    shard = tmp_path / "a" / "states" / "shard_00000.pt"
-    stamp = shard.stat().st_mtime_ns
-    assert [d.token_ids.tolist() for d in generate_state_data(
-        verifier, [(p, len(p)) for p in prompts], tmp_path / "a", max_new_tokens=12, stop_ids=frozenset(),
-        batch_size=2)] == [d.token_ids.tolist() for d in data]
-    assert shard.stat().st_mtime_ns == stamp
+    # A rerun loads the parts instead of generating.
+    parts = sorted((tmp_path / "a" / "states").glob("part_*.pt"))
+    stamps = [p.stat().st_mtime_ns for p in parts]
+    rerun = generate_state_data(verifier, [(p, len(p)) for p in prompts], tmp_path / "a", max_new_tokens=12,
+                                stop_ids=frozenset({stop}), batch_size=2)
+    assert [d.token_ids.tolist() for d in rerun] == [d.token_ids.tolist() for d in data]
+    assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "a" / "states").glob("part_*.pt"))] == stamps
+    # A lost part is generated again, and only it.
+    parts[0].unlink()
+    calls.clear()
+    rerun = generate_state_data(verifier, [(p, len(p)) for p in prompts], tmp_path / "a", max_new_tokens=12,
+                                stop_ids=frozenset({stop}), batch_size=2, progress=lambda *a: calls.append(a))
+    assert [d.token_ids.tolist() for d in rerun] == [d.token_ids.tolist() for d in data]
+    assert [c[1] for c in calls] == [4, 5]
