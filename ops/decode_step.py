@@ -68,18 +68,26 @@ def step_hidden(
     ``max(lengths) + T`` (a shape, so compiling keeps it symbolic). Pure tensor code: no host
     reads, no data-dependent branches.
     """
+    return blocks_hidden(model, model.embed_tokens(tokens), positions, tree_mask, lengths, keys, values, num_slots)
+
+
+def blocks_hidden(
+    model: Transformer, h: Tensor, positions: Tensor, tree_mask: Tensor, lengths: Tensor,
+    keys: list[Tensor], values: list[Tensor], num_slots: Tensor,
+) -> Tensor:
+    """:func:`step_hidden` from the first block's input states ``h`` ``(B, T, D)`` instead of
+    tokens (a feature drafter feeds its own); the same arguments otherwise."""
     config = model.config
-    batch, num_new = tokens.shape
+    batch, num_new = h.shape[:2]
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
-    fused = tree_attention_cpu.fits(tokens.device, dtype, num_heads, num_kv, head_dim)
+    fused = tree_attention_cpu.fits(h.device, dtype, num_heads, num_kv, head_dim)
     # Otherwise, the eager forward's mask: committed slots, tree-visible new ones; slots past a
     # row's new tokens (another request's leftovers) hidden.
     mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
     cos = model.rope_cos[positions].to(dtype)[:, :, None, :]  # (B, T, 1, hd)
     sin = model.rope_sin[positions].to(dtype)[:, :, None, :]
-    h = model.embed_tokens(tokens)  # (B, T, D)
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
         attn = block.self_attn
@@ -236,21 +244,28 @@ class DecodeStep:
                              f"got {tuple(tokens.shape)}")
         if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
             raise ValueError("the cache does not belong to this decode step's model")
-        batch, num_new = tokens.shape
-        if positions is None:
-            positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)
-        if tree_mask is None:  # a chain: each new token sees itself and the ones before it
-            chain = torch.ones(num_new, num_new, dtype=torch.bool, device=tokens.device).tril()
-            tree_mask = chain.expand(batch, -1, -1)
-        lengths = cache.begin_write(num_new)
-        num_slots = torch.empty(max(lengths) + num_new, dtype=torch.bool)  # only its length is read
+        positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
         fn = self._compiled if self._compiled is not None else step_hidden
         # The compiled function was traced on dense inputs (it checks their strides).
-        hidden = fn(self.model, tokens.contiguous(), positions.contiguous(), tree_mask.contiguous(), cache.lengths,
-                    cache.keys, cache.values, num_slots)
+        hidden = fn(self.model, tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
+                    num_slots)
         if self._background == "waiting":
             self._start_background()
         return hidden
+
+
+def begin_step(cache: KVCache, batch: int, num_new: int, tree_mask: Tensor | None,
+               positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Mark ``num_new`` slots per row of ``cache`` pending and return :func:`step_hidden`'s
+    ``positions``, ``tree_mask`` (a chain when None) and ``num_slots``, dense."""
+    if positions is None:
+        positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)
+    if tree_mask is None:  # a chain: each new token sees itself and the ones before it
+        chain = torch.ones(num_new, num_new, dtype=torch.bool, device=cache.device).tril()
+        tree_mask = chain.expand(batch, -1, -1)
+    lengths = cache.begin_write(num_new)
+    num_slots = torch.empty(max(lengths) + num_new, dtype=torch.bool)  # only its length is read
+    return positions.contiguous(), tree_mask.contiguous(), num_slots
 
 
 def artifact_name(model: Transformer) -> str:

@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from treeserve.ops.decode_step import begin_step, blocks_hidden
 from treeserve.ops.drafting import start_request, validate_expansion
+from treeserve.ops.formats import Q8Linear, q8_buffers
+from treeserve.ops.kernels import q8_amx
 from treeserve.ops.kv_cache import KVCache
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Block, ModelConfig, Transformer
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.ssm import SSMConfig, add_spine_children, fit_spine_widths
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
@@ -89,7 +92,9 @@ class FeatureDrafter(Transformer):
             raise ValueError(f"draft_ids must be {k} distinct ascending ids in [0, {vocab})")
         weight = self._full_head[0]
         self.draft_ids = ids.to(weight.device)
-        self.head_weight = weight.detach()[self.draft_ids].clone().to(self.fc.weight.dtype)
+        self.head_weight = weight.detach()[self.draft_ids].clone().to(self.embed_tokens.weight.dtype)
+        if self.head_kernel is not None:  # formatted: the head's codes follow the rows
+            self.head_kernel = Q8Linear(q8_buffers(self.head_weight.float()), k)
 
     def features(
         self, states: Tensor, tokens: Tensor, cache: KVCache, *,
@@ -104,11 +109,16 @@ class FeatureDrafter(Transformer):
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this drafter")
         h = self.fc(torch.cat([states.to(self.dtype), self.embed_tokens(tokens).detach()], dim=-1))  # (B, T, D)
+        if self.head_kernel is not None and slot_mask is None:  # formatted (format_drafter): serving only
+            positions, tree_mask, num_slots = begin_step(cache, batch, num_new, tree_mask, positions)
+            return blocks_hidden(self, h, positions, tree_mask, cache.lengths, cache.keys, cache.values, num_slots)
         h = self.run_blocks(h, cache, positions, tree_mask, slot_mask)
         return cast(Tensor, self.norm(h))
 
     def head(self, states: Tensor) -> Tensor:
         """Draft-vocabulary logits ``(..., K)`` (float32) of (predicted) states."""
+        if self.head_kernel is not None:
+            return cast(Tensor, self.head_kernel(states.to(self.dtype)))
         return F.linear(states, self.head_weight).float()
 
     def to_full_vocab(self, draft_logits: Tensor) -> Tensor:
@@ -121,6 +131,47 @@ class FeatureDrafter(Transformer):
     def stored_state_dict(self) -> dict[str, Tensor]:
         """What a weights file stores: everything but the shared embedding."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def format_drafter(drafter: FeatureDrafter) -> FeatureDrafter:
+    """Put a bfloat16 drafter's linears and draft head on the Q8_0 kernel (Q/K/V and gate/up
+    fused, as :func:`~treeserve.ops.formats.apply_format` does for a model), in place, where
+    that kernel runs and the shapes fit its 32-wide blocks; else leave it as it is.
+
+    The int formats' verify step is 4-bit and fast, so the drafter's eager bf16 linears and
+    torch's attention (a few ms a proposal here) would eat what speculation wins: formatted, a
+    draft forward runs :func:`~treeserve.ops.decode_step.blocks_hidden` (the verifier's fused
+    attention and cache writes) on Q8_0 weights, about 0.1% error, inference only.
+    """
+    if drafter.dtype != torch.bfloat16 or not drafter.fc.weight.is_cpu or drafter.head_kernel is not None:
+        return drafter
+    config = drafter.config
+    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    shapes = [(config.dim, 2 * config.dim), tuple(drafter.head_weight.shape), (qkv_rows, config.dim),
+              (config.dim, config.num_heads * config.head_dim), (2 * config.ffn_dim, config.dim),
+              (config.dim, config.ffn_dim)]  # fc, head, qkv, o, gate|up, down
+    if not q8_amx.available() or not all(q8_amx.supports(n, k) for n, k in shapes):
+        return drafter
+
+    def q8(parts: list[nn.Linear], out_dtype: torch.dtype = torch.bfloat16) -> Q8Linear:
+        weight = torch.cat([p.weight.detach().float() for p in parts])
+        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts if p.bias is not None])
+        return Q8Linear(q8_buffers(weight), weight.shape[0], bias=bias, out_dtype=out_dtype)
+
+    for module in drafter.layers:
+        block = cast(Block, module)
+        attn, mlp = block.self_attn, block.mlp
+        attn.qkv_proj = q8([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = q8([mlp.gate_proj, mlp.up_proj])
+        attn.o_proj = cast(nn.Linear, q8([attn.o_proj]))
+        mlp.down_proj = cast(nn.Linear, q8([mlp.down_proj]))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(attn, name)
+        for name in ("gate_proj", "up_proj"):
+            delattr(mlp, name)
+    drafter.fc = cast(nn.Linear, q8([drafter.fc]))
+    drafter.head_kernel = Q8Linear(q8_buffers(drafter.head_weight.float()), drafter.head_weight.shape[0])
+    return drafter
 
 
 def init_feature_drafter(verifier: Transformer, config: SSMConfig, draft_ids: Tensor) -> FeatureDrafter:
@@ -181,6 +232,8 @@ def load_feature_drafter(verifier: Transformer, path: str | Path | None = None) 
         raise ValueError(f"{file} lacks tensors {sorted(missing)}")
     drafter = drafter.to(device=verifier.device, dtype=verifier.dtype)
     drafter.set_draft_ids(draft_ids)
+    if verifier.weight_format in ("int8", "q4_1"):
+        format_drafter(drafter)
     return drafter.eval()
 
 

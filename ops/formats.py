@@ -316,26 +316,33 @@ def q8_0_from_float(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Q8Linear(nn.Module):
-    """Q8_0 weights (``w = q * d``, ``d`` float16 per 32) on ``kernels/q8_amx``: fp32 outputs.
+    """Q8_0 weights (``w = q * d``, ``d`` float16 per 32) on ``kernels/q8_amx``, for bf16 rows:
+    float32 outputs (the int formats' LM head), or ``out_dtype`` ones plus ``bias`` (a feature
+    drafter's inner linears, :func:`~treeserve.ops.feature_drafter.format_drafter`).
 
     ``buffers``: ``codes`` and ``scales`` in that kernel's packing (:func:`q8_buffers`, or the
     same read back from a saved format).
     """
 
-    def __init__(self, buffers: Mapping[str, Tensor], out_features: int) -> None:
+    def __init__(self, buffers: Mapping[str, Tensor], out_features: int, *, bias: Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if not q8_amx.available():
-            raise FormatUnsupportedError("the Q8_0 head's kernel does not run on this machine")
+            raise FormatUnsupportedError("the Q8_0 kernel does not run on this machine")
         self.out_features = out_features
         self.in_features = buffers["codes"].numel() // out_features
         self.register_buffer("codes", _own_aligned(buffers["codes"]))
         self.register_buffer("scales", _own_aligned(buffers["scales"]))
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.out_dtype = out_dtype
         self.avx2 = q8_amx.avx2()  # a constant of this machine, traced as one
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features, avx2=self.avx2)
-        return out.reshape(*shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features).to(self.out_dtype)
 
     @property
     def num_weight_bytes(self) -> int:

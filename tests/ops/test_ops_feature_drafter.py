@@ -16,11 +16,13 @@ from treeserve.ops.feature_drafter import (
     load_feature_drafter,
     save_feature_drafter,
 )
+from treeserve.ops.kernels import q8_amx
 from treeserve.ops.model import ModelConfig, Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental, generate_speculative
 from treeserve.ops.ssm import ssm_config_for
+from treeserve.ops.tree_attention import tree_mask_from_parents
 
 
 
@@ -173,3 +175,52 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     other = Transformer(ModelConfig(**{**TINY, "dim": 32, "head_dim": 4, "num_heads": 8}))
     with pytest.raises(ValueError, match="width"):
         load_feature_drafter(other, path)
+
+
+FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=16, vocab_size=256)
+
+
+@pytest.mark.skipif(not q8_amx.available(), reason="the Q8_0 kernel needs AVX2 or AMX")
+def test_a_formatted_drafter_drafts_what_the_bf16_one_does(tmp_path: Path) -> None:
+    """format_drafter (the int formats' drafter: Q8_0 linears and head, the verifier's fused
+    attention) computes what the bf16 drafter computes, within Q8_0 and bf16 rounding, over a
+    chain of true pairs and then a token tree on the same cache; a q4_1 verifier loads its
+    drafter formatted."""
+    import copy
+
+    from treeserve.ops.feature_drafter import format_drafter
+    from treeserve.ops.formats import apply_format
+
+    verifier = make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS)
+    drafter = tiny_drafter(verifier, draft_vocab=64)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if not name.startswith("embed_tokens"):
+                param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    plain = drafter.to(torch.bfloat16)
+    fast = format_drafter(copy.deepcopy(plain))
+    assert fast.head_kernel is not None and not hasattr(fast.layers[0].self_attn, "q_proj")
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(1, 20, 64, generator=gen).bfloat16()
+    tokens = torch.randint(0, 256, (1, 20), generator=gen)
+    tree_mask = tree_mask_from_parents(torch.tensor([-1, 0, 0, 1, 1, 2]))[None]
+    positions = torch.tensor([[20, 21, 21, 22, 22, 22]])
+    outs = []
+    for model in (plain, fast):
+        cache = model.new_cache(1, 64)
+        with torch.no_grad():
+            chain = model.features(states, tokens, cache)
+            cache.commit(0, range(20))
+            tree = model.features(states[:, :6], tokens[:, :6], cache, tree_mask=tree_mask, positions=positions)
+            outs.append((chain.float(), tree.float(), model.head(tree[0]).float()))
+    # Q8_0 rounds each linear's weights and rows by about 0.5%; this random block's large
+    # activations grow that to about 5% of the mean (an unfused or misordered projection:
+    # above 50%).
+    for ours, theirs in zip(outs[1], outs[0]):
+        assert (ours - theirs).abs().mean() <= 0.1 * theirs.abs().mean(), (ours - theirs).abs().mean()
+    assert (outs[1][2].argmax(-1) == outs[0][2].argmax(-1)).float().mean() >= 4 / 6
+    path = tmp_path / "fd.safetensors"
+    save_feature_drafter(tiny_drafter(make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS), draft_vocab=64), path)
+    assert load_feature_drafter(make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS), path).head_kernel is None
+    q4 = apply_format(make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS), "q4_1")
+    assert load_feature_drafter(q4, path).head_kernel is not None
