@@ -154,9 +154,11 @@ def _from_factory(spec: SpeculatorSpec, model: Transformer) -> Speculator:
 
 
 def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None = None,
-                     with_distilled: bool = True, ssm_path: str | Path | None = None) -> Available:
-    """The n-gram and suffix speculators (the server's options), the shipped feature drafter when
-    it fits ``model``, and the distilled SSMs of ``ssm_path`` (none is shipped).
+                     with_distilled: bool = True, ssm_path: str | Path | None = None,
+                     feature_path: str | Path | None = None) -> Available:
+    """The n-gram and suffix speculators (the server's options), the feature drafter of
+    ``feature_path`` (default: the shipped one) when it fits ``model``, and the distilled SSMs
+    of ``ssm_path`` (none is shipped).
 
     Any failure of the feature or distilled load is logged and recorded as a skip, never raised.
     """
@@ -165,7 +167,7 @@ def load_speculators(model: Transformer, *, ngram_options: dict[str, int] | None
     available.speculators["ngram"] = [_from_factory(SpeculatorSpec(SpeculatorKind.NGRAM, dict(options)), model)]
     available.speculators["suffix"] = [_from_factory(parse_speculator(SpeculatorKind.SUFFIX), model)]
     try:
-        available.speculators["feature"] = [_from_factory(parse_speculator(SpeculatorKind.FEATURE), model)]
+        available.speculators["feature"] = [_from_factory(parse_speculator(f"{SpeculatorKind.FEATURE.value}:{feature_path or ''}"), model)]
     except (FileNotFoundError, ValueError) as exc:
         logger.warning("feature drafter unavailable, skipping tree:feature (%s)", exc)
         available.skipped["tree:feature"] = f"{type(exc).__name__}: {exc}"
@@ -450,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculator kinds tree:merged merges, in the order tried at a node (default: every available kind)")
     parser.add_argument("--ssm", default=None, metavar="PATH",
                         help="distilled SSMs (a `treeserve distill` file) for the distilled modes; none is shipped")
+    parser.add_argument("--feature-drafter", default=None, metavar="PATH",
+                        help="feature drafter weights for tree:feature and the merge (default: the shipped one)")
     parser.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each mode's warm-up run")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="send the prompt list K times over (repetitive traffic; round r > 1 ids end in #r)")
@@ -531,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                for round_ in range(args.repeat) for prompt_id, ids in prompts]
 
     available = load_speculators(model, with_distilled=any("distilled" in m or m == "tree:merged" for m in requested),
-                                 ssm_path=args.ssm)
+                                 ssm_path=args.ssm, feature_path=args.feature_drafter)
     if args.modes is None and len(available.speculators) < 2:
         requested.remove("tree:merged")
         available.skipped["tree:merged"] = "only one speculator kind available (same as tree:ngram)"
