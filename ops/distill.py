@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treeserve.ops.batch_step import prefill_rows
 from treeserve.ops.model import Transformer
 from treeserve.ops.tokenizer import Tokenizer
 from treeserve.ops.ssm import DistilledSSM, init_ssm_from_verifier, save_ssms, ssm_config_for
@@ -95,6 +96,82 @@ def select_prompts(
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
     return out
+
+
+def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's first message begins (the default
+    system prompt included, where the template adds one)."""
+    sentinel = "\u0001USER\u0001"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=False)
+    return tokenizer.encode(text[: text.index(sentinel)])
+
+
+@torch.no_grad()
+def self_written_prompts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    num: int,
+    *,
+    temperature: float = 0.9,
+    max_tokens: int = 96,
+    batch_size: int = 64,
+    seed: int = 0,
+    min_chars: int = 16,
+    exclude: Sequence[str] = (),
+    max_rounds: int | None = None,
+    progress: DistillProgress = _no_progress,
+) -> list[str]:
+    """Up to ``num`` distinct user questions written by ``model`` itself: ``batch_size`` rows
+    sampled at ``temperature`` from the user-turn prefix of its chat template, each until its
+    end-of-turn token. A question is kept when its turn ended (not cut at ``max_tokens``), it
+    has at least ``min_chars`` characters and a letter, no chat-template marker, and its
+    normalized text (lower case, single spaces) is new and not in ``exclude`` (the evaluation
+    sets). Deterministic for a ``seed``. Stops after ``max_rounds`` batches (default: enough
+    for ``num`` if a fifth of the draws were kept).
+    """
+    if num < 1 or batch_size < 1 or temperature <= 0:
+        raise ValueError(f"need num >= 1, batch_size >= 1 and temperature > 0, got {num}, {batch_size}, {temperature}")
+    prefix = user_turn_prefix(tokenizer)
+    stops = set(tokenizer.stop_ids)
+    gen = torch.Generator().manual_seed(seed)
+
+    def norm(text: str) -> str:
+        return " ".join(text.lower().split())
+
+    seen = {norm(t) for t in exclude}
+    kept: list[str] = []
+    rounds = max_rounds if max_rounds is not None else 5 * math.ceil(num / batch_size) + 5
+    device = model.device
+    for _ in range(rounds):
+        cache = model.new_cache(batch_size, len(prefix) + max_tokens)
+        prefill_rows(model, cache, [(row, prefix[:-1]) for row in range(batch_size)])
+        feed = [prefix[-1]] * batch_size
+        written: list[list[int]] = [[] for _ in range(batch_size)]
+        ended = [False] * batch_size
+        for _ in range(max_tokens):
+            logits = model(torch.tensor(feed, device=device)[:, None], cache)[:, -1].float()  # (B, V)
+            draws = torch.multinomial(torch.softmax(logits.cpu() / temperature, dim=-1), 1, generator=gen)[:, 0]
+            for row in range(batch_size):
+                cache.commit(row, [] if ended[row] else [0])
+                if not ended[row]:
+                    token = int(draws[row])
+                    ended[row] = token in stops
+                    if not ended[row]:
+                        written[row].append(token)
+                    feed[row] = token
+            if all(ended):
+                break
+        for row in range(batch_size):
+            text = tokenizer.decode(written[row]).strip()
+            if not ended[row] or len(text) < min_chars or "<|" in text or not any(c.isalpha() for c in text):
+                continue
+            if norm(text) not in seen and len(kept) < num:
+                seen.add(norm(text))
+                kept.append(text)
+        progress("questions", len(kept), num)
+        if len(kept) >= num:
+            break
+    return kept
 
 
 # --------------------------------------------------------------------------- teacher data

@@ -7,7 +7,7 @@ Subcommands, one module each:
 * ``generate`` (:mod:`treeserve.cli_generate`): load the model and print one completion, through
   an embedded server or, with ``--in-process``, in this process.
 * ``serve`` and ``node`` (:mod:`treeserve.cli_serve`): run the server; offer a host to one.
-* ``train-predictor``, ``distill`` and ``distill-features`` (:mod:`treeserve.cli_train`).
+* ``train-predictor``, ``distill``, ``synth-prompts`` and ``distill-features`` (:mod:`treeserve.cli_train`).
 
 Progress goes to stderr; results go to stdout. A user mistake (bad flag value, missing file)
 prints one ``treeserve: error: ...`` line and exits with status 2, without a traceback.
@@ -107,11 +107,12 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
     """The function that runs subcommand ``name``."""
     from treeserve.cli_generate import cmd_generate
     from treeserve.cli_serve import cmd_node, cmd_serve
-    from treeserve.cli_train import cmd_distill, cmd_distill_features, cmd_train_predictor
+    from treeserve.cli_train import cmd_distill, cmd_distill_features, cmd_synth_prompts, cmd_train_predictor
 
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,
         "train-predictor": cmd_train_predictor, "distill": cmd_distill, "distill-features": cmd_distill_features,
+        "synth-prompts": cmd_synth_prompts,
     }
     return commands[name]
 

@@ -58,6 +58,19 @@ def add_train_parsers(sub: Any) -> None:
     distill.add_argument("--tokens-per-batch", type=int, default=1024)
     distill.add_argument("--heldout", type=int, default=16, help="sequences kept out of training to measure agreement")
 
+    synth = sub.add_parser(
+        "synth-prompts", help="have the model write user questions (sampled user turns), de-duplicated and filtered, "
+                              "as a JSONL prompt set for distill-features")
+    add_model_flags(synth)
+    synth.add_argument("--out", type=Path, required=True, help="JSONL file to write ({\"id\", \"prompt\"} per line)")
+    synth.add_argument("--num", type=int, default=3000, help="questions to write")
+    synth.add_argument("--format", dest="dtype", choices=FORMAT_NAMES, default="q4_1", help="weight format of the writer")
+    synth.add_argument("--temperature", type=float, default=0.9)
+    synth.add_argument("--max-tokens", type=int, default=96, help="a question cut at this length is dropped")
+    synth.add_argument("--batch-size", type=int, default=64)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
     features = sub.add_parser(
         "distill-features", help="train the feature-level drafter (EAGLE-style) on the model's own states")
     _add_teacher_flags(features)
@@ -196,6 +209,35 @@ def _drafter_metadata(path: Path) -> Any:
         return json.loads((handle.metadata() or {}).get("metadata", "{}"))
 
 
+def cmd_synth_prompts(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.models import load_model
+    from treeserve.ops.distill import read_prompts, self_written_prompts
+
+    torch.set_num_threads(max(args.threads, 1))
+    name = model_name(args)
+    loaded = load_model(name, weight_format=args.dtype, cache_dir=args.cache_dir, progress=progress)
+    # The evaluation sets' questions are never written into a training set.
+    data = Path(__file__).resolve().parent.parent / "bench" / "data"
+    exclude = read_prompts([p for n in EVALUATION_SETS if (p := data / f"{n}.jsonl").is_file()])
+    started = time.perf_counter()
+    stage = _StageProgress()
+    try:
+        questions = self_written_prompts(loaded.model, loaded.tokenizer, args.num, temperature=args.temperature,
+                                         max_tokens=args.max_tokens, batch_size=args.batch_size, seed=args.seed,
+                                         exclude=exclude, progress=stage)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", encoding="utf-8") as file:
+        for index, text in enumerate(questions):
+            file.write(json.dumps({"id": f"selfwritten/{index}", "prompt": text}) + "\n")
+    progress(f"wrote {len(questions)} questions to {args.out} in {time.perf_counter() - started:.0f} s")
+    print(args.out)
+    return 0
+
+
 def cmd_distill_features(args: argparse.Namespace) -> int:
     import torch
 
@@ -276,4 +318,4 @@ def cmd_distill_features(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_train_parsers", "cmd_distill", "cmd_distill_features", "cmd_train_predictor"]
+__all__ = ["add_train_parsers", "cmd_distill", "cmd_distill_features", "cmd_synth_prompts", "cmd_train_predictor"]

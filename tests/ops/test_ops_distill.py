@@ -303,3 +303,41 @@ def test_cli_distill_features_continues_the_teacher_answers_and_fine_tunes(tmp_p
     before, after = load_feature_drafter(model, first), load_feature_drafter(model, tuned)
     assert torch.equal(before.draft_ids, after.draft_ids)  # the vocabulary is kept
     assert not torch.equal(before.fc.weight, after.fc.weight)  # and the weights trained on
+
+
+def test_self_written_prompts_are_distinct_ended_turns_and_skip_the_excluded(tmp_path: Path) -> None:
+    """The model writes user turns from its template's user prefix: each kept question is new
+    (a near-greedy writer repeats itself: one question survives de-duplication, and none once
+    it is excluded), only turns that ended are kept, the seed decides the draws, and the CLI
+    writes them as a prompt set."""
+    import json
+
+    from treeserve import cli
+    from treeserve.models import load_model
+    from treeserve.ops.distill import self_written_prompts, user_turn_prefix
+
+    folder, _ = _tiny_chat_model_and_prompts(tmp_path, 2)
+    loaded = load_model(str(folder))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    assert tokenizer.decode(user_turn_prefix(tokenizer)) == "w3"
+
+    def write(**kwargs: object) -> list[str]:
+        options: dict[str, object] = dict(temperature=0.9, max_tokens=20, batch_size=8, seed=0, min_chars=4, max_rounds=3)
+        options.update(kwargs)
+        return self_written_prompts(model, tokenizer, 6, **options)  # type: ignore[arg-type]
+
+    varied = write()
+    assert varied and len({" ".join(q.lower().split()) for q in varied}) == len(varied)
+    assert write() == varied and write(seed=1) != varied
+    # A turn cut at max_tokens is dropped: with room for one token no turn ends in a word.
+    assert write(max_tokens=1, min_chars=1) == []
+    repeated = write(temperature=0.05)
+    assert len(repeated) == 1
+    assert write(temperature=0.05, exclude=[repeated[0].upper()]) == []
+    out = tmp_path / "questions.jsonl"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["synth-prompts", "--model", str(folder), "--format", "float32", "--out", str(out), "--num", "3",
+                  "--max-tokens", "20", "--batch-size", "8", "--threads", "1"])
+    assert done.value.code == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in lines] == [f"selfwritten/{i}" for i in range(len(lines))] and 1 <= len(lines) <= 3
