@@ -98,6 +98,14 @@ inline __m256i codes_u8(const uint8_t* src) {
   return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
 }
 
+// The codes and scales/zeros of the group kPrefetchGroups groups after (src, s), into L1.
+inline void prefetch_q4_group(const uint8_t* src, const uint16_t* s) {
+  for (int line = 0; line < kQ4BlockBytes / 64; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kQ4BlockBytes + line * 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64 + 32), _MM_HINT_T0);
+}
+
 void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* xs, int64_t M, int64_t K, int64_t N,
                const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t nb_begin, int64_t nb_end) {
   const int64_t G = K / 32;
@@ -108,10 +116,7 @@ void q4_blocks(const int8_t* xq, const float* d, const float* c8, const float* x
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* src = codes + (nb * G + g) * kQ4BlockBytes;
       const uint16_t* s = sz + (nb * G + g) * 64;
-      for (int line = 0; line < kQ4BlockBytes / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kQ4BlockBytes + line * 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64 + 32), _MM_HINT_T0);
+      prefetch_q4_group(src, s);
       for (int quarter = 0; quarter < 4; ++quarter) {  // columns quarter*8 .. +7: tile quarter/2, half quarter%2
         const uint8_t* base = src + (quarter / 2) * 256 + (quarter % 2) * 16;
         __m256i w[8];
@@ -166,10 +171,7 @@ void q4_blocks_few(const int8_t* xq, const float* d, const float* c8, const floa
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* src = codes + (nb * G + g) * kQ4BlockBytes;
       const uint16_t* s = sz + (nb * G + g) * 64;
-      for (int line = 0; line < kQ4BlockBytes / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kQ4BlockBytes + line * 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * 64 + 32), _MM_HINT_T0);
+      prefetch_q4_group(src, s);
       for (int tile = 0; tile < 2; ++tile) {  // columns tile*16 .. +15
         __m256i lo[R], hi[R];
         for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
