@@ -122,7 +122,10 @@ async def test_bad_requests_are_400s_and_the_server_keeps_serving(keyed: Any) ->
         # Neutral values of unsupported options are fine, as are nulls for optional fields.
         fine = chat(n=1, frequency_penalty=0, logprobs=False, temperature=None, seed=None, stop=None, user="me")
         done = await http.post("/v1/chat/completions", json=fine)
-        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        assert done.status_code == 200, done.text
+        # temperature None is OpenAI's 1.0, unseeded: the tiny model may draw its stop token early.
+        tokens, finish = done.json()["usage"]["completion_tokens"], done.json()["choices"][0]["finish_reason"]
+        assert 1 <= tokens <= 4 and (tokens == 4 or finish == "stop"), (tokens, finish)
 
 
 @pytest.mark.asyncio(loop_scope="module")
