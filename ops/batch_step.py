@@ -78,18 +78,10 @@ def prefill_row(model: Transformer, cache: KVCache, row: int, token_ids: Sequenc
     ``[0, len(token_ids))`` of ``row``. Numerically this is the batch-1 causal prefill of the
     single-request loop. An empty ``token_ids`` just resets the row. Raises ``IndexError`` for
     a bad row and :class:`CacheCapacityError` (a ``ValueError``) when the row is too small.
-    :func:`prefill_row_with_states` also returns the model's final hidden states;
-    :func:`prefill_rows` fills several rows with batched forwards.
+    :func:`prefill_rows` fills several rows with batched forwards (and returns the model's
+    final hidden states with ``want_states``).
     """
     return prefill_rows(model, cache, [(row, token_ids)])[0][0]
-
-
-def prefill_row_with_states(
-    model: Transformer, cache: KVCache, row: int, token_ids: Sequence[int]
-) -> tuple[int, Tensor]:
-    """:func:`prefill_row`, also returning the final hidden states ``(n, D)`` of ``token_ids``
-    (what a feature-level drafter reads; ``(0, D)`` for no tokens)."""
-    return prefill_rows(model, cache, [(row, token_ids)], want_states=True)[0]
 
 
 def prefill_rows(
@@ -329,6 +321,6 @@ def row_block(cache: KVCache, start: int, stop: int) -> KVCache:
 
 
 __all__ = [
-    "DEFAULT_PREFILL_BATCH_TOKENS", "DEFAULT_PREFILL_OVERHEAD_TOKENS", "Packer", "RowStep", "prefill_row", "prefill_row_with_states", "prefill_rows",
+    "DEFAULT_PREFILL_BATCH_TOKENS", "DEFAULT_PREFILL_OVERHEAD_TOKENS", "Packer", "RowStep", "prefill_row", "prefill_rows",
     "row_block", "verify_rows", "verify_rows_with_states",
 ]

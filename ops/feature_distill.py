@@ -108,7 +108,7 @@ def generate_state_data(
         done[index] = record
         unsaved.append((index, record))
         new_tokens += record.token_ids.numel() - len(starts[index][0])
-        if len(unsaved) >= save_every or len(done) == len(starts):
+        if len(unsaved) >= save_every:
             _save_part(folder, unsaved)
             unsaved.clear()
         elapsed = time.monotonic() - begun
