@@ -83,8 +83,10 @@ def generate_state_data(
     every busy row advances one token per forward (``model``'s compiled batched step where it
     has one). Finished sequences are saved ``save_every`` at a time under
     ``work_dir/states``; a rerun loads them and generates only the rest (a kill loses at most
-    the unsaved ones). ``progress("states", done, total, {"elapsed_s", "eta_s", "tokens_per_s"})``
-    after each finished sequence. Returns the sequences in the order of ``starts``.
+    the unsaved ones). Saved answers are found by their prompt's tokens, so a rerun over more
+    prompts, in any order, generates only the new ones. ``progress("states", done, total,
+    {"elapsed_s", "eta_s", "tokens_per_s"})`` after each finished sequence. Returns the
+    sequences in the order of ``starts``.
     """
     if batch_size < 1 or save_every < 1:
         raise ValueError(f"need batch_size >= 1 and save_every >= 1, got {batch_size}, {save_every}")
@@ -94,11 +96,13 @@ def generate_state_data(
         raise ValueError("every start needs tokens and a prompt_len in [1, its length]")
     folder = Path(work_dir) / "states"
     folder.mkdir(parents=True, exist_ok=True)
-    done: dict[int, StateSequence] = {}
+    saved: dict[tuple[int, ...], dict] = {}  # by prompt tokens, so a reshuffled or larger prompt set reuses them
     for path in sorted(folder.glob("part_*.pt")):
-        for index, record in torch.load(path, weights_only=True)["records"]:
-            if 0 <= index < len(starts) and record["token_ids"][:prompt_lens[index]].tolist() == seqs[index][:prompt_lens[index]]:
-                done[index] = StateSequence(**record)
+        for _, record in torch.load(path, weights_only=True)["records"]:
+            saved[tuple(record["token_ids"][:record["prompt_len"]].tolist())] = record
+    keys = [tuple(seq[:n]) for seq, n in zip(seqs, prompt_lens)]
+    done = {i: StateSequence(**saved[key]) for i, key in enumerate(keys) if key in saved}
+    del saved
     todo = [i for i in range(len(starts)) if i not in done]
     unsaved: list[tuple[int, StateSequence]] = []
     begun, new_tokens = time.monotonic(), 0

@@ -138,3 +138,10 @@ def test_state_data_is_the_greedy_answer_with_its_states_and_resumes(tmp_path) -
                                 stop_ids=frozenset({stop}), batch_size=2, progress=lambda *a: calls.append(a))
     assert [d.token_ids.tolist() for d in rerun] == [d.token_ids.tolist() for d in data]
     assert [c[1] for c in calls] == [4, 5]
+    # A rerun over a larger prompt set in another order generates only the new prompt's answer.
+    more = [[13, 14, 15]] + prompts[::-1]
+    calls.clear()
+    rerun = generate_state_data(verifier, [(p, len(p)) for p in more], tmp_path / "a", max_new_tokens=12,
+                                stop_ids=frozenset({stop}), batch_size=2, progress=lambda *a: calls.append(a))
+    assert [d.token_ids.tolist() for d in rerun[1:]] == [d.token_ids.tolist() for d in data[::-1]]
+    assert rerun[0].token_ids.tolist()[:3] == more[0] and [c[1:3] for c in calls] == [(6, 6)]
