@@ -43,6 +43,9 @@ config order. ``capacity`` bounds each request's drafter KV cache (default: the 
   "expansion": [4, 2, 1]}``: the greedy spine's widths; optional ``"dynamic": [depth, top_k,
   num_nodes]``: confidence-shaped trees for greedy requests) draft from them.
 * ``release {"request_id"}`` -> None (idempotent).
+* ``forget_traffic`` -> None: the process-wide suffix indexes start empty again, so later
+  requests draft only from what follows (a benchmark of fresh traffic calls it between passes
+  over the same prompts); requests in flight keep the index they started with.
 
 Stochastic drafting uses a per-request generator seeded from ``params.seed`` mixed with a
 constant. An unseeded request's verifier draws from a stream of its own (drafts that reused it
@@ -72,11 +75,18 @@ from treeserve.actors.model_host import (
     check_str_or_none,
     load_on_device,
 )
-from treeserve.actors.speculator_factory import Drafter, SpeculatorSpec, load_drafter, make_speculators
+from treeserve.actors.speculator_factory import (
+    SUFFIX_INDEX_OPTIONS,
+    Drafter,
+    SpeculatorSpec,
+    load_drafter,
+    make_speculators,
+)
 from treeserve.actors.tree_wire import ParamsCache
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
+from treeserve.ops.suffix import SuffixIndex
 from treeserve.ops.token_tree import TokenTree, merge_trees
 from treeserve.runtime import Actor, handler
 
@@ -194,7 +204,19 @@ class SpeculatorActor(Actor):
         self._params.forget(call.request_id)
         await self._offload.run(self._states.pop, call.request_id, None)
 
+    @handler
+    async def forget_traffic(self, body: Any) -> None:
+        """Start every suffix index afresh (see the module docstring)."""
+        del body
+        await self._offload.run(self._forget_traffic)
+
     # ------------------------------------------------------------------ compute (worker thread)
+    def _forget_traffic(self) -> None:
+        # A new index object: in-flight requests' speculators hold the old one until released.
+        self._drafters = [SuffixIndex(**{k: v for k, v in spec.options.items() if k in SUFFIX_INDEX_OPTIONS})
+                          if isinstance(drafter, SuffixIndex) else drafter
+                          for spec, drafter in zip(self.config.speculators, self._drafters)]
+
     def _model_dim(self) -> int:
         assert self._model is not None
         return self._model.config.dim

@@ -15,6 +15,14 @@ Measures, with greedy decoding:
   policy learns the step costs and acceptance as it serves. Each mode runs ``--rounds``
   passes (order rotated per round); the median pass is reported.
 
+Every pass replays the same prompts, and the suffix drafter learns from every request a server
+serves: it would draft the earlier passes' greedy answers word for word. So the servers' suffix
+indexes are emptied (``Server.forget_traffic``) before every batch-1 request and every pass,
+and each figure is one of fresh traffic (within a pass the index learns from that pass's other
+requests, as in service). ``--repetitive`` keeps what they learned: repeated traffic, the case
+the suffix drafter is for. With fewer prompts than clients, prompts repeat within a pass: give
+``--limit`` at least the largest ``--clients``.
+
 Usage::
 
     python bench/serving.py --json                       # built-in prompts
@@ -33,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvloop
@@ -127,16 +136,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             _log("warm-up")
             for mode in modes:
                 await run_one(client, "Hello!", mode, 8)
+            forget = _forgetter(server, args)
             batch1: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for i, prompt in enumerate(prompts if not args.skip_batch1 else []):
                 order = modes[i % 3:] + modes[: i % 3]
                 for mode in order:
+                    await forget()
                     batch1[mode].append(await run_one(client, prompt, mode, args.max_tokens))
                 _log(f"batch-1 prompt {i + 1}/{len(prompts)}: " + ", ".join(
                     f"{m} {batch1[m][-1]['tokens_per_s']:.1f} tok/s" for m in modes))
             result: dict[str, Any] = {"config": {
                 "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                 "speculators": [dict(s) for s in config.resolved_speculators()], "max_tree_nodes": args.max_tree_nodes,
+                "repetitive": args.repetitive,
             }, "batch1": {}, "concurrency": {}}
             base = _median([r["tokens_per_s"] for r in batch1[Speculate.NONE.value]])
             for mode in modes if not args.skip_batch1 else []:
@@ -148,21 +160,33 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio_to_none": tps / base if base else 0.0,
                 }
             for num_clients in args.clients:
-                await _rounds(result, server.endpoint, prompts, {"tree": Speculate.TREE.value}, num_clients, args)
+                await _rounds(result, server.endpoint, prompts, {"tree": Speculate.TREE.value}, num_clients,
+                              args, forget)
         adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
         async with Server(adaptive, progress=_log) as server:
+            forget = _forgetter(server, args)
             for num_clients in args.clients:
+                await forget()
                 await concurrency(server.endpoint, prompts, Speculate.TREE.value, num_clients, args.max_tokens)  # learn
                 await _rounds(result, server.endpoint, prompts,
                               {"none": Speculate.NONE.value, "tree-adaptive": Speculate.TREE.value},
-                              num_clients, args)
+                              num_clients, args, forget)
             assert server.scheduler is not None
             result["adaptive_state"] = (await server.scheduler.ask("stats")).get("adaptive")
     return result
 
 
+def _forgetter(server: Server, args: argparse.Namespace) -> Callable[[], Awaitable[None]]:
+    """What runs before every measured request or pass: empty the suffix indexes (fresh
+    traffic), or nothing with ``--repetitive``."""
+    async def keep() -> None:
+        return None
+
+    return keep if args.repetitive else server.forget_traffic
+
+
 async def _rounds(result: dict[str, Any], endpoint: str, prompts: list[str], modes: dict[str, str],
-                  num_clients: int, args: argparse.Namespace) -> None:
+                  num_clients: int, args: argparse.Namespace, forget: Callable[[], Awaitable[None]]) -> None:
     """``args.rounds`` passes of every mode (key -> speculate) at ``num_clients``, the order
     rotated each round; each key gets the pass with the median total tokens/s plus every
     round's figure (``rounds_tokens_per_s``)."""
@@ -171,6 +195,7 @@ async def _rounds(result: dict[str, Any], endpoint: str, prompts: list[str], mod
     for index in range(args.rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
+            await forget()
             runs[name].append(await concurrency(endpoint, prompts, modes[name], num_clients, args.max_tokens))
             _log(f"{name}@{num_clients} round {index + 1}: {runs[name][-1]['total_tokens_per_s']:.1f} tok/s total")
     for name, passes in runs.items():
@@ -194,6 +219,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels")
     parser.add_argument("--skip-batch1", action="store_true", help="only the concurrency runs")
     parser.add_argument("--rounds", type=int, default=3, help="passes per mode and concurrency (median reported)")
+    parser.add_argument("--repetitive", action="store_true",
+                        help="keep the suffix indexes across passes over the same prompts (repeated traffic); "
+                             "default: empty them before every measured request and pass (fresh traffic)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = uvloop.run(bench(args))

@@ -330,6 +330,13 @@ class Server:
             self._report(f"HTTP API ready on {self._http.url}")
         self._is_ready = True
 
+    async def forget_traffic(self) -> None:
+        """Empty the speculators' suffix indexes, which learn from every request served: later
+        requests draft only from what follows. For benchmarks that replay prompts and must not
+        let earlier passes' answers draft the later ones."""
+        cfg = self.config
+        await asyncio.gather(*(s.ask("forget_traffic", None, timeout=cfg.step_timeout_s) for s in self.speculators))
+
     async def _start_speculators(self, supervisor_config: SupervisorConfig,
                                  agents: list[ActorRef]) -> tuple[SpeculatorSpec, ...]:
         """Spawn the speculator actors (none without speculators or actors); returns the specs."""

@@ -103,3 +103,27 @@ def test_speculator_config_validation() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculatorConfig.from_wire(bad)
+
+
+async def test_forget_traffic_empties_the_suffix_index_for_later_requests(tmp_path: Path) -> None:
+    """The suffix index learns from every request; after ``forget_traffic`` a new request over
+    the same tokens drafts nothing from before, while one in flight keeps its index."""
+    model_dir = tiny.write_tiny_hf_model(tmp_path / "tiny", seed=2)
+    config = {"model": str(model_dir), "capacity": 64, "num_threads": 1,
+              "speculators": [{"kind": "suffix", "num_draft_tokens": 3}]}
+    async with Runtime() as rt:
+        spec = await rt.spawn(SpeculatorActor, config, name="spec", process="child")
+        await spec.ask("start", {"request_id": "a", "prompt_ids": [5, 6, 7, 8, 9]})
+        await spec.ask("start", {"request_id": "b", "prompt_ids": [1, 6, 7]})
+        learned = tree_from_wire((await spec.ask("propose", {"requests": [entry("b", [])]}))["trees"][0])
+        assert learned.tokens.tolist() == [7, 8, 9]  # from request a's tokens
+        await spec.ask("forget_traffic", None)
+        await spec.ask("start", {"request_id": "c", "prompt_ids": [1, 6, 7]})
+        fresh = await spec.ask("propose", {"requests": [entry("c", []), entry("b", [])]})
+        assert tree_from_wire(fresh["trees"][0]).tokens.tolist() == [7]
+        assert tree_from_wire(fresh["trees"][1]).tokens.tolist() == [7, 8, 9]
+        # The new index learns again: request c's tokens draft for the next one.
+        await spec.ask("propose", {"requests": [entry("c", [2, 3])]})
+        await spec.ask("start", {"request_id": "d", "prompt_ids": [9, 7, 2]})
+        again = await spec.ask("propose", {"requests": [entry("d", [])]})
+        assert tree_from_wire(again["trees"][0]).tokens.tolist() == [2, 3]
