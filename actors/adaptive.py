@@ -10,6 +10,10 @@ included; ``1`` means no speculation) it picks the one with the best expected de
 - ``A(n)``: accepted drafts per row (bonus token excluded) under budget ``n``; one weighted
   mean per candidate, since a bigger tree accepts more, whose evidence fades by
   ``acceptance_decay`` per step (so a budget it stopped using is judged on its recent probes).
+  The means are kept non-decreasing in ``n`` (a weighted isotonic fit after each step): a
+  bigger tree holds what a smaller one drafts, and without the fit a bigger budget's evidence
+  from before the traffic changed (repeated requests that the suffix drafter now knows) would
+  hold the policy at the size it had.
   Acceptance belongs to the requests, not to the batch, so every batch size shares it.
 - ``C(b, n)``: measured seconds per row of a whole step (propose + verify) under budget ``n``
   in batch-size bucket ``b`` (rows 1, 2, 3-4, 5-8, 9-16, ...). A forward over one row is
@@ -140,10 +144,34 @@ class _Acceptance:
             self.total *= factor
             self.total_sq *= factor
 
+    def set_mean(self, mean: float) -> None:
+        """Move the mean to ``mean``, keeping the weight and the variance."""
+        old = self.mean
+        self.total = self.weight * mean
+        self.total_sq += self.weight * (mean * mean - old * old)
+
     def add(self, accepted: int) -> None:
         self.weight += 1.0
         self.total += accepted
         self.total_sq += accepted * accepted
+
+
+def _make_monotone(estimates: Sequence[_Acceptance]) -> None:
+    """Weighted isotonic regression of the means, in place (pool adjacent violators): where a
+    bigger budget's mean is below a smaller one's, both get their weighted mean."""
+    blocks: list[tuple[float, float, int]] = []  # (weight, weighted sum, members)
+    for estimate in estimates:
+        weight, total, members = estimate.weight, estimate.total, 1
+        while blocks and blocks[-1][1] / blocks[-1][0] > total / weight:
+            w, t, m = blocks.pop()
+            weight, total, members = weight + w, total + t, members + m
+        blocks.append((weight, total, members))
+    index = 0
+    for weight, total, members in blocks:
+        for estimate in estimates[index: index + members]:
+            if estimate.mean != total / weight:
+                estimate.set_mean(total / weight)
+        index += members
 
 
 @dataclass(frozen=True)
@@ -240,6 +268,17 @@ class AdaptiveSpeculation:
             out.append(BudgetEstimate(n, accepted, cost, rate))
         return out
 
+    def _accepted_low(self, z: float) -> dict[int, float]:
+        """Per candidate, the most that it or any smaller budget accepts, each estimate taken
+        ``z`` standard errors low (monotone, as :meth:`observe` keeps the means)."""
+        floor: dict[int, float] = {}
+        best = 0.0
+        for n in self.config.candidates:
+            acceptance = self._acceptance[n]
+            best = max(best, acceptance.mean - z * acceptance.standard_error)
+            floor[n] = best
+        return floor
+
     def _current(self, bucket: int, num_rows: int) -> int:
         choice = self._choice.get(bucket)
         if choice is not None:
@@ -277,15 +316,15 @@ class AdaptiveSpeculation:
         low: dict[int, float] = {}
         high: dict[int, float] = {}
         mean: dict[int, float] = {}
+        accepted_low = self._accepted_low(z)
         for n, cell in self._cells.get(bucket, {}).items():
             acceptance = self._acceptance[n]
             # 1.25 * mean absolute deviation estimates a standard deviation.
             cost_se = 1.25 * cell.mean_abs_residual / math.sqrt(min(cell.num_steps, 2.0 / cfg.cost_alpha - 1.0))
-            acc_se = acceptance.standard_error
             mean[n] = (1.0 + acceptance.mean) / cell.seconds_per_row
-            low[n] = (1.0 + max(0.0, acceptance.mean - z * acc_se)) / (cell.seconds_per_row + z * cost_se)
-            high[n] = (1.0 + acceptance.mean + z * acc_se) / max(cell.seconds_per_row - z * cost_se,
-                                                                  0.5 * cell.seconds_per_row)
+            low[n] = (1.0 + max(0.0, accepted_low[n])) / (cell.seconds_per_row + z * cost_se)
+            high[n] = (1.0 + acceptance.mean + z * acceptance.standard_error) / max(cell.seconds_per_row - z * cost_se,
+                                                                                   0.5 * cell.seconds_per_row)
         if current not in mean:
             return max(mean, key=lambda n: (mean[n], -n))
         challengers = [n for n in mean if n != current]
@@ -324,6 +363,13 @@ class AdaptiveSpeculation:
             acceptance.decay(1.0 - cfg.acceptance_decay, cfg.prior_weight)
         for accepted in accepted_per_row:
             self._acceptance[budget].add(accepted)
+        # The estimates stay monotone in the budget. A bigger budget drafts a tree that holds
+        # what a smaller one drafts (the speculators keep their best paths first when a budget
+        # cuts them), so it accepts at least as much; but its own evidence may predate a change
+        # in the traffic (a suffix index that now holds the answers makes every budget accept
+        # more), and judged on it the policy would keep the size it has. So that evidence is
+        # lifted to the smaller budget's mean, and its next probes start from there.
+        _make_monotone([self._acceptance[n] for n in cfg.candidates])
         bucket = rows_bucket(num_rows)
         cells = self._cells.setdefault(bucket, {})
         per_row = (verify_s + propose_s) / num_rows

@@ -112,7 +112,8 @@ class SchedulerCore:
         self._plain_step_s: float | None = None  # one plain decode step's time, last measured
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and num_speculators:
-            candidates = tuple(n for n in AdaptiveConfig().candidates if n <= config.max_tree_nodes)
+            # Powers of two up to the tree cap: repeated traffic (the suffix drafter's) pays up to it.
+            candidates = tuple(1 << i for i in range(config.max_tree_nodes.bit_length()))
             self._adaptive = AdaptiveSpeculation(AdaptiveConfig(candidates=candidates))
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import Counter
 
 import pytest
@@ -362,3 +363,54 @@ def test_observe_rejects_inconsistent_steps(kwargs: dict[str, object]) -> None:
     assert policy.snapshot()["num_steps"] == 1
     with pytest.raises(ValueError):
         policy.tree_budget(0)
+
+
+def _repeated_cost(budget: int) -> float:
+    """Batch 1 where the forward is memory-bound up to 32 nodes (the AMX host's curve)."""
+    return 0.010 * max(1.0, budget / 32) + (0.001 + 0.0001 * budget if budget > 1 else 0.0)
+
+
+def _repeated_accepted(rng: random.Random, budget: int) -> int:
+    """Repeated traffic: the suffix drafter's chain holds the answer, accepted until it diverges."""
+    accepted = 0
+    while accepted < min(budget - 1, 24) and rng.random() < 0.97:
+        accepted += 1
+    return accepted
+
+
+def _rate_after_repeating_starts(seed: int) -> float:
+    """The policy's expected rate over the 2000 steps after the traffic starts repeating, as a
+    fraction of the best fixed budget's (see the test below)."""
+    candidates = (1, 2, 4, 8, 16, 32, 64)
+    policy = AdaptiveSpeculation(AdaptiveConfig(candidates=candidates))
+    rng, noise = random.Random(seed), random.Random(100 + seed)
+    means = {n: statistics.mean(_repeated_accepted(random.Random(n), n) for _ in range(3000)) for n in candidates}
+    best = max((1 + means[n]) / _repeated_cost(n) for n in candidates)
+    assert max(candidates, key=lambda n: (1 + means[n]) / _repeated_cost(n)) == 32
+    tokens = seconds = 0.0
+    for step in range(2600):
+        repeating = step >= 600
+        budget = policy.tree_budget(1)
+        if repeating:
+            accepted = _repeated_accepted(rng, budget)
+        else:
+            p = _mean_accepted(budget) / (budget - 1) if budget > 1 else 0.0
+            accepted = sum(rng.random() < p for _ in range(budget - 1))
+        cost = _repeated_cost(budget) * math.exp(noise.gauss(0.0, 0.1))
+        policy.observe(num_rows=1, budget=budget, nodes_per_row=[budget], accepted_per_row=[accepted],
+                       verify_s=0.9 * cost, propose_s=0.1 * cost)
+        if repeating:
+            tokens += 1 + means[budget]
+            seconds += _repeated_cost(budget)
+    return tokens / seconds / best
+
+
+def test_climbs_when_the_traffic_starts_repeating() -> None:
+    """600 steps of chat traffic (the best budget is 16), then the traffic repeats and every
+    budget accepts far more (the best is 32, 2.5x the rate of 8). The budgets above the
+    current one were last probed on the chat traffic; judged on that evidence they stay
+    unvisited for hundreds of steps. Acceptance kept monotone in the budget lifts them:
+    over 12 seeds the policy earns >= 91 % of the best fixed rate on average (95.5 %), and
+    >= 88 % on each (90.6 % to 99 %). Without it: 81 % on average, 72 % to 99.6 %."""
+    fractions = [_rate_after_repeating_starts(seed) for seed in range(12)]
+    assert statistics.mean(fractions) >= 0.91 and min(fractions) >= 0.88, fractions
