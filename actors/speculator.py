@@ -176,11 +176,13 @@ class SpeculatorActor(Actor):
     def _load(self) -> None:
         cfg = self.config
         # The drafters read the LM's embedding and head (feature, distilled) or run its first
-        # blocks (self:K): in the served format, on the format's kernels, not compiled (a
-        # speculator never runs the full model's decode step).
+        # blocks (self:K): in the served format, on the format's kernels. The full model's
+        # decode step is never compiled here (a speculator never runs it); a feature drafter's
+        # own step is, on a thread, while it drafts eagerly.
         model = load_on_device(cfg.model, weight_format=cfg.dtype, device=cfg.device, cache_dir=cfg.cache_dir)
         self._model = model
-        self._drafters = [load_drafter(spec, model, weight_format=cfg.dtype, cache_dir=cfg.cache_dir, device=cfg.device)
+        self._drafters = [load_drafter(spec, model, weight_format=cfg.dtype, cache_dir=cfg.cache_dir, device=cfg.device,
+                                       background=True)
                           for spec in cfg.speculators]  # FileNotFoundError / ValueError fail the spawn
 
     # ------------------------------------------------------------------ handlers

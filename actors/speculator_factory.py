@@ -26,6 +26,7 @@ from treeserve.ops.feature_drafter import (
     DEFAULT_FEATURE_WIDTHS,
     FeatureDrafter,
     FeatureSpeculator,
+    compile_draft_step,
     load_feature_drafter,
 )
 from treeserve.ops.format_names import AUTO_FORMAT, WeightFormat
@@ -208,10 +209,12 @@ def default_speculators(model: str, weight_format: str | None = None, device: st
 
 
 def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str | None = None,
-                 cache_dir: str | None = None, device: str = "cpu") -> Drafter:
+                 cache_dir: str | None = None, device: str = "cpu", background: bool = False) -> Drafter:
     """Load what ``spec`` drafts with, once per process, onto ``model`` (the verifier's LM, whose
     embedding and head the feature and distilled drafters read). ``weight_format``,
-    ``cache_dir`` and ``device`` are those of a ``model`` kind's other LM (the served ones).
+    ``cache_dir`` and ``device`` are those of a ``model`` kind's other LM (the served ones);
+    a feature drafter on an int format gets its compiled step from ``cache_dir`` (compiled
+    there once; ``background``: on a thread while it drafts eagerly, as a speculator actor does).
     ``FileNotFoundError`` for a missing weights file, ``ValueError`` for one that does not fit
     ``model``."""
     if spec.kind is SpeculatorKind.SELF:
@@ -237,7 +240,8 @@ def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str
             raise ValueError(f"distilled speculator index {index} but the file has {len(ssms)} SSMs")
         return ssms[index]
     if spec.kind is SpeculatorKind.FEATURE:
-        return load_feature_drafter(model, spec.options.get("path"))
+        return compile_draft_step(load_feature_drafter(model, spec.options.get("path")), cache_dir,
+                                  background=background)
     return None
 
 

@@ -115,27 +115,31 @@ def blocks_hidden(
     return model.norm(h)  # (B, T, D)
 
 
-class DecodeStep:
-    """``step(tokens (B, T), cache, tree_mask, positions) -> hidden (B, T, D)``: the forward of up
-    to :attr:`max_new` new tokens per row (a decode step, or the verifier's token tree).
+class CompiledStep:
+    """A forward of at most :attr:`max_new` new tokens per row, eager or compiled ahead of
+    time and saved: what :class:`DecodeStep` and a feature drafter's step
+    (:class:`~treeserve.ops.feature_drafter.DraftStep`) share. A subclass names the eager
+    function (:attr:`function`, whose first argument is the model) and builds example
+    arguments with their dynamic dimensions marked (:meth:`_example_args`).
 
-    Writes each row's new K/V after its committed tokens and marks them pending, as
-    ``Transformer.forward`` does. Without ``artifact`` :func:`step_hidden` runs eagerly (the
-    tests' reference, and the path wherever compiling is off). With ``artifact`` (a file path)
-    it is compiled ahead of time by ``torch.compile``'s ``aot_compile`` on first use, saved
-    there, and later processes load it without tracing or compiling again;
-    ``compile_seconds`` / ``load_seconds`` say which happened and how long it took.
+    Without ``artifact`` the function runs eagerly (the tests' reference, and the path wherever
+    compiling is off). With ``artifact`` (a file path) it is compiled ahead of time by
+    ``torch.compile``'s ``aot_compile`` on first use, saved there, and later processes load it
+    without tracing or compiling again; ``compile_seconds`` / ``load_seconds`` say which
+    happened and how long it took.
 
     The compiled function is traced once with the batch, the number of new tokens, the cache
     capacity and the number of visible slots symbolic, and runs without dynamo's guards (they
-    cost about 1 ms a step). What the guards would have checked is covered instead by the
+    cost about 1 ms a call). What the guards would have checked is covered instead by the
     artifact's name, which :func:`artifact_name` derives from the model's config, format,
     dtype and device (a step is only loaded for the model it was compiled for), and by each
-    call's check that the cache belongs to the model. Longer inputs (prefill) stay with the
-    model's eager forward.
+    call's check that the cache belongs to the model. The weights are the model's own at
+    every call (an argument, not baked in).
     """
 
     max_new = MAX_NEW_TOKENS
+    what = "decode step"
+    function: Callable[..., Tensor]
 
     def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
         self.model = model
@@ -156,8 +160,8 @@ class DecodeStep:
         """:meth:`prepare` on a daemon thread, so that a server answers while its step
         compiles (minutes; :func:`~treeserve.ops.loaders.load.prepare_for_serving` loads a
         saved step in the foreground instead): until the compiled function is in place, calls
-        run :func:`step_hidden` eagerly (the same weights and kernels, one by one). A failure
-        is logged and the step stays eager.
+        run the eager function (the same weights and kernels, one by one). A failure is
+        logged and the step stays eager.
 
         The thread starts once the first call has returned (a server's first prefill), or
         after ``idle_s`` without a call: tracing and loading import dynamo and inductor and
@@ -179,9 +183,9 @@ class DecodeStep:
             try:
                 self.prepare()
             except Exception:  # no C++ compiler, an inductor failure: serving goes on eagerly
-                logger.warning("preparing the compiled decode step failed; it stays eager", exc_info=True)
+                logger.warning("preparing the compiled %s failed; it stays eager", self.what, exc_info=True)
 
-        threading.Thread(target=run, name="decode-step-prepare", daemon=True).start()
+        threading.Thread(target=run, name=f"{self.what.replace(' ', '-')}-prepare", daemon=True).start()
 
     def prepare(self) -> None:
         """Load the artifact, or compile it and save it there. Does nothing without an
@@ -204,31 +208,14 @@ class DecodeStep:
                 return
             except Exception:  # a truncated or foreign file: compile afresh below
                 self.artifact.unlink(missing_ok=True)
-        # Two rows, two new tokens and a few slots: dynamo specializes dimensions of size 1, so
-        # an example of one row (or one token) would compile a function for that size only.
-        example_cache = self.model.new_cache(2, 16)
-        device = example_cache.device
-        tokens = torch.zeros(2, 2, dtype=torch.long, device=device)
-        positions = torch.zeros(2, 2, dtype=torch.long, device=device)
-        tree_mask = torch.ones(2, 2, 2, dtype=torch.bool, device=device)
-        num_slots = torch.empty(4, dtype=torch.bool)
-        for tensor in (tokens, positions, tree_mask, example_cache.lengths, num_slots):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in (tokens, positions, tree_mask):
-            torch._dynamo.mark_dynamic(tensor, 1)
-        torch._dynamo.mark_dynamic(tree_mask, 2)
-        for tensor in example_cache.keys + example_cache.values:
-            torch._dynamo.mark_dynamic(tensor, 0)
-            torch._dynamo.mark_dynamic(tensor, 2)
         # The step's Python wrapper checks every intermediate's size, stride and alignment by
         # default (760 checks a step for the default model, a few hundred microseconds of a
         # ~10 ms step); the shapes are fixed by the trace, so they are left out.
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
                    "size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
-        fn = torch.compile(step_hidden, fullgraph=True, options=options)
+        fn = torch.compile(type(self).function, fullgraph=True, options=options)
         with torch.inference_mode():
-            compiled = fn.aot_compile(((self.model, tokens, positions, tree_mask, example_cache.lengths,
-                                        example_cache.keys, example_cache.values, num_slots), {}))
+            compiled = fn.aot_compile((self._example_args(), {}))
         self.artifact.parent.mkdir(parents=True, exist_ok=True)
         partial = self.artifact.with_suffix(f".partial-{os.getpid()}")
         compiled.save_compiled_function(str(partial))
@@ -236,22 +223,70 @@ class DecodeStep:
         self.compile_seconds = time.perf_counter() - started
         self._compiled = compiled
 
-    @torch.inference_mode()
-    def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
-                 positions: Tensor | None = None) -> Tensor:
+    def _example_args(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    def _example_cache(self) -> tuple[KVCache, Tensor, Tensor, Tensor]:
+        """Two rows, two new tokens and a few slots, dynamic: dynamo specializes dimensions of
+        size 1, so an example of one row (or one token) would compile a function for that
+        size only. Returns the cache, positions, a tree mask and ``num_slots``."""
+        example_cache = self.model.new_cache(2, 16)
+        device = example_cache.device
+        positions = torch.zeros(2, 2, dtype=torch.long, device=device)
+        tree_mask = torch.ones(2, 2, 2, dtype=torch.bool, device=device)
+        num_slots = torch.empty(4, dtype=torch.bool)
+        for tensor in (positions, tree_mask, example_cache.lengths, num_slots):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (positions, tree_mask):
+            torch._dynamo.mark_dynamic(tensor, 1)
+        torch._dynamo.mark_dynamic(tree_mask, 2)
+        for tensor in example_cache.keys + example_cache.values:
+            torch._dynamo.mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(tensor, 2)
+        return example_cache, positions, tree_mask, num_slots
+
+    def _check(self, tokens: Tensor, cache: KVCache) -> None:
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or not 1 <= tokens.shape[1] <= self.max_new:
             raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and 1 <= T <= {self.max_new}, "
                              f"got {tuple(tokens.shape)}")
         if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
-            raise ValueError("the cache does not belong to this decode step's model")
-        positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
-        fn = self._compiled if self._compiled is not None else step_hidden
-        # The compiled function was traced on dense inputs (it checks their strides).
-        hidden = fn(self.model, tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
-                    num_slots)
+            raise ValueError(f"the cache does not belong to this {self.what}'s model")
+
+    def _call(self, *args: object) -> Tensor:
+        fn = self._compiled if self._compiled is not None else type(self).function
+        hidden = fn(self.model, *args)
         if self._background == "waiting":
             self._start_background()
         return hidden
+
+
+class DecodeStep(CompiledStep):
+    """``step(tokens (B, T), cache, tree_mask, positions) -> hidden (B, T, D)``: the forward of up
+    to :attr:`max_new` new tokens per row (a decode step, or the verifier's token tree), as
+    :func:`step_hidden`.
+
+    Writes each row's new K/V after its committed tokens and marks them pending, as
+    ``Transformer.forward`` does. Compiled or eager as :class:`CompiledStep` says. Longer
+    inputs (prefill) stay with the model's eager forward.
+    """
+
+    function = staticmethod(step_hidden)
+
+    def _example_args(self) -> tuple[object, ...]:
+        cache, positions, tree_mask, num_slots = self._example_cache()
+        tokens = torch.zeros(2, 2, dtype=torch.long, device=cache.device)
+        torch._dynamo.mark_dynamic(tokens, 0)
+        torch._dynamo.mark_dynamic(tokens, 1)
+        return (self.model, tokens, positions, tree_mask, cache.lengths, cache.keys, cache.values, num_slots)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
+                 positions: Tensor | None = None) -> Tensor:
+        self._check(tokens, cache)
+        positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
+        # The compiled function was traced on dense inputs (it checks their strides).
+        return self._call(tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
+                          num_slots)
 
 
 def begin_step(cache: KVCache, batch: int, num_new: int, tree_mask: Tensor | None,
@@ -268,10 +303,12 @@ def begin_step(cache: KVCache, batch: int, num_new: int, tree_mask: Tensor | Non
     return positions.contiguous(), tree_mask.contiguous(), num_slots
 
 
-def artifact_name(model: Transformer) -> str:
-    """A file name that changes whenever what a compiled decode step depends on changes: the
-    model's shapes, its format and dtype, torch's version, the CPU's features and the source
-    of the modules the step traces."""
+def artifact_name(model: Transformer, *, kind: str = "decode", weight_format: str | None = None,
+                  extra_files: tuple[Path, ...] = ()) -> str:
+    """A file name that changes whenever what a compiled step depends on changes: the model's
+    shapes, its format (``weight_format``: the model's own by default) and dtype, torch's
+    version, the CPU's features and the source of the modules the step traces (plus
+    ``extra_files``); ``kind`` starts it (``decode``, or ``draft`` for a drafter's step)."""
     import hashlib
     import platform
 
@@ -281,11 +318,12 @@ def artifact_name(model: Transformer) -> str:
     modules = (model_module, formats, q4_amx, q8_amx, avx2, tree_attention_cpu)
     files = [Path(m.__file__) for m in modules if m.__file__] + [
         Path(__file__), q4_amx.SOURCE, q8_amx.SOURCE, avx2.SOURCE, tree_attention_cpu.SOURCE]
-    sources = b"".join(path.read_bytes() for path in files)
+    sources = b"".join(path.read_bytes() for path in [*files, *extra_files])
+    fmt = model.weight_format if weight_format is None else weight_format
     key = "|".join([
-        repr(sorted(model.config.__dict__.items())), str(model.weight_format), str(model.dtype), str(model.device),
+        repr(sorted(model.config.__dict__.items())), str(fmt), str(model.dtype), str(model.device),
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
         hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows(), q4_amx.avx2()) if model.weight_format == 'q4_1' else None}",
         f"tree_attention_cpu={tree_attention_cpu.available()}",
     ])
-    return f"decode-{model.weight_format}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"
+    return f"{kind}-{fmt}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

@@ -224,3 +224,72 @@ def test_a_formatted_drafter_drafts_what_the_bf16_one_does(tmp_path: Path) -> No
     assert load_feature_drafter(make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS), path).head_kernel is None
     q4 = apply_format(make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS), "q4_1")
     assert load_feature_drafter(q4, path).head_kernel is not None
+
+
+def test_the_compiled_draft_step_computes_what_the_eager_one_does(tmp_path: Path) -> None:
+    """compile_draft_step: the formatted drafter's block compiled ahead of time and saved, over
+    a chain of pairs and then a token tree, equals its eager step within inductor's float32
+    intermediates, and each tree node's state is its path's run as a chain; a second drafter of other weights loads the same file and computes its own
+    states (the weights are arguments, not baked in); a catch-up longer than the step's 64
+    tokens runs eagerly."""
+    import copy
+
+    from treeserve.ops.feature_drafter import compile_draft_step, format_drafter
+
+    verifier = make_tiny_model(0, weight_scale=0.3, **FORMAT_DIMS)
+
+    def pair(seed: int):  # type: ignore[no-untyped-def]
+        """Two formatted copies of one drafter: one to compile, one to stay eager."""
+        drafter = tiny_drafter(verifier, draft_vocab=64)
+        with torch.no_grad():
+            for name, param in drafter.named_parameters():
+                if not name.startswith("embed_tokens"):
+                    param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed + len(name))))
+        drafter = drafter.to(torch.bfloat16)
+        return format_drafter(copy.deepcopy(drafter)), format_drafter(drafter)
+
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(1, 80, 64, generator=gen).bfloat16()
+    tokens = torch.randint(0, 256, (1, 80), generator=gen)
+    tree_mask = tree_mask_from_parents(torch.tensor([-1, 0, 0, 1, 1, 2]))[None]
+
+    def run(drafter, length: int) -> tuple[Tensor, Tensor]:  # type: ignore[no-untyped-def]
+        cache = drafter.new_cache(1, 96)
+        with torch.no_grad():
+            chain = drafter.features(states[:, :length], tokens[:, :length], cache)
+            cache.commit(0, range(length))
+            positions = torch.tensor([[length, length + 1, length + 1, length + 2, length + 2, length + 2]])
+            tree = drafter.features(states[:, :6], tokens[:, :6], cache, tree_mask=tree_mask, positions=positions)
+        return chain.float(), tree.float()
+
+    first, eager = pair(1)
+    compile_draft_step(first, tmp_path)
+    assert first.draft_step is not None and first.draft_step.is_compiled
+    assert first.draft_step.compile_seconds is not None and first.draft_step.artifact is not None
+    def spread(t: Tensor) -> Tensor:
+        return t.amax(-1, keepdim=True) - t.amin(-1, keepdim=True)
+
+    # bf16 activations: inductor keeps fused intermediates in float32 where eager rounds them
+    # (as in test_decode_step); a wrong slot, mask or weight differs by the spread itself.
+    for length in (20, 70):  # 70: the chain runs eagerly, the tree compiled
+        for ours, theirs in zip(run(first, length), run(eager, length)):
+            assert ((ours - theirs).abs() / spread(theirs)).max() <= 0.05
+    # Each tree node's state is its path's, run as a chain after the same pairs.
+    tree = run(first, 20)[1][0]
+    parents = [-1, 0, 0, 1, 1, 2]
+    for node in range(6):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        cache = first.new_cache(1, 96)
+        with torch.no_grad():
+            first.features(states[:, :20], tokens[:, :20], cache)
+            cache.commit(0, range(20))
+            chain = first.features(states[:, path], tokens[:, path], cache)[0, -1].float()
+        assert ((chain - tree[node]).abs() / spread(chain)).max() <= 0.05, node
+    second, second_eager = pair(7)
+    compile_draft_step(second, tmp_path)
+    assert second.draft_step is not None and second.draft_step.load_seconds is not None
+    ours, theirs, other = run(second, 20)[1], run(second_eager, 20)[1], run(eager, 20)[1]
+    assert ((ours - theirs).abs() / spread(theirs)).max() <= 0.05
+    assert ((ours - other).abs() / spread(other)).max() > 0.2  # not the first drafter's states
