@@ -223,6 +223,7 @@ class SchedulerCore:
         # chooses for it nor learns from it (else a plain step would be costed as a tree step).
         adaptive = self._adaptive if any(r.speculates for r in batch) else None
         budget = self.config.max_tree_nodes if adaptive is None else adaptive.tree_budget(len(batch))
+        wants_states = self.config.use_states and any(r.speculates for r in batch)
         rows = []
         for req in batch:
             assert req.row is not None
@@ -236,16 +237,18 @@ class SchedulerCore:
             rows=tuple(rows),
             tree_budget=budget,
             is_budget_adaptive=adaptive is not None,
-            wants_states=self.config.use_states and any(r.speculates for r in batch),
-            decode_steps=self._decode_steps(batch),
+            wants_states=wants_states,
+            decode_steps=self._decode_steps(batch, budget > 1 and any(r.speculates for r in batch), wants_states),
         )
 
-    def _decode_steps(self, batch: Sequence[RequestState]) -> int:
+    def _decode_steps(self, batch: Sequence[RequestState], drafting: bool, wants_states: bool) -> int:
         """How many plain decode steps the next verifier call runs (see ``SchedulerConfig``):
-        1 unless nothing speculates, every row has streamed its first token and nothing waits."""
+        1 unless no row drafts (none speculates, or the adaptive policy chose no speculation
+        for the step) and none needs its states (a feature drafter's), every row has streamed
+        its first token and nothing waits."""
         if not batch or self._plain_step_s is None or len(self._requests) > len(batch):
             return 1
-        if any(r.speculates or not r.emitted for r in batch):
+        if drafting or wants_states or any(not r.emitted for r in batch):
             return 1
         fits = int(self.config.decode_ahead_s / max(self._plain_step_s, 1e-6))
         remaining = min(r.params.max_new_tokens - len(r.emitted) for r in batch)
@@ -282,19 +285,21 @@ class SchedulerCore:
         self.stats.num_steps += 1
         self.stats.propose_s += replies.propose_s
         self.stats.verify_s += replies.verify_s
+        forwards = replies.num_forwards(plan.decode_steps)
         if plan.is_budget_adaptive and self._adaptive is not None:
             try:
+                # A decode-ahead call (the policy chose no speculation) is observed as one
+                # plain step of its forwards' mean time: what plain decoding costs here.
                 self._adaptive.observe(
                     num_rows=len(plan.rows), budget=plan.tree_budget,
                     nodes_per_row=[t.num_nodes for t in replies.trees],
                     accepted_per_row=[len(v.accepted) - 1 if v.error is None else 0 for v in replies.verdicts],
-                    verify_s=replies.verify_s, propose_s=replies.propose_s,
+                    verify_s=replies.verify_s / forwards, propose_s=replies.propose_s / forwards,
                 )
             except ValueError as exc:  # a speculator overran its share: keep serving, do not learn
                 log.warning("adaptive speculation ignored a step: %s", exc)
-        forwards = replies.num_forwards(plan.decode_steps)
         self.stats.num_decode_steps += forwards
-        if not any(r.is_speculating for r in plan.rows):
+        if not any(r.is_speculating and r.max_nodes > 1 for r in plan.rows):
             self._plain_step_s = replies.verify_s / forwards
         events: list[Event] = []
         releases: list[Release] = []

@@ -70,8 +70,9 @@ class SchedulerConfig:
     ``max_prefill_tokens`` bounds the prompt tokens of one prefill call: requests admitted
     together share calls (and batched forwards) up to it, a longer prompt goes alone.
 
-    Decode-ahead: when no running request speculates, every one has streamed its first token and
-    nothing waits for admission, one verifier call runs up to ``max_decode_steps`` plain decode
+    Decode-ahead: when no running request drafts (none speculates, or the adaptive policy chose
+    no speculation for the step) and none needs its states, every one has streamed its first
+    token and nothing waits for admission, one verifier call runs up to ``max_decode_steps`` plain decode
     steps, as many as fit in ``decode_ahead_s`` at the last measured step time (the tokens are
     the same; the scheduler's and the hop's cost is paid once per call, not per token, and the
     stream gets them in chunks of that many). A request arriving meanwhile waits for the call

@@ -399,3 +399,38 @@ def test_decode_ahead_stops_at_max_tokens_counts_each_forward_and_never_speculat
         plan = core.plan(now)
         assert plan.decode_steps == 1
         verify(core, plan, now)
+
+
+def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> None:
+    """Speculating requests at an adaptive budget of 1 draft nothing, so a call decodes ahead
+    as for plain requests (before, every such step paid the scheduler's and the hop's cost:
+    adaptive serving was 0.73x plain decoding at one client on fresh traffic); the policy
+    learns one plain step of the call's mean forward time. A budget above 1, or a feature
+    drafter's states, keep one step a call."""
+    observed: list[dict[str, Any]] = []
+
+    class Fixed:
+        def __init__(self) -> None:
+            self.budget = 1
+
+        def tree_budget(self, num_rows: int) -> int:
+            return self.budget
+
+        def observe(self, **kwargs: Any) -> None:
+            observed.append(kwargs)
+
+    core = make_core(max_decode_steps=8, decode_ahead_s=0.1, num_speculators=1, adaptive_speculation=True)
+    policy = Fixed()
+    core._adaptive = policy  # type: ignore[assignment]
+    submit(core, "a", 0.0, max_tokens=40, speculate="tree")
+    assert decode(core, 1.0, 0.02, {"a": [5]}).decode_steps == 1  # the first token alone
+    plan = decode(core, 1.1, 0.05, {"a": [5] * 5})
+    assert plan.decode_steps == 5 and plan.rows[0].max_nodes == 1
+    assert observed[-1]["budget"] == 1 and observed[-1]["verify_s"] == pytest.approx(0.01)
+    policy.budget = 4
+    assert core.plan(1.2).decode_steps == 1
+    states = make_core(max_decode_steps=8, num_speculators=1, adaptive_speculation=True, use_states=True)
+    states._adaptive = Fixed()  # type: ignore[assignment]
+    submit(states, "a", 0.0, max_tokens=40, speculate="tree")
+    decode(states, 1.0, 0.02, {"a": [5]})
+    assert decode(states, 1.1, 0.02, {"a": [5]}).decode_steps == 1
