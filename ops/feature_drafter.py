@@ -196,8 +196,9 @@ class DraftStep(CompiledStep):
     """``step(states (B, T, D), tokens (B, T), cache, tree_mask, positions) -> (B, T, D)``: a
     formatted drafter's forward (:func:`draft_hidden`), compiled ahead of time and saved as the
     verifier's decode step is (:class:`~treeserve.ops.decode_step.CompiledStep`). Eagerly, a
-    draft forward is about 60 small ops in Python around three Q8_0 products; a proposal runs
-    three of them."""
+    draft forward is about 60 small ops in Python around its five Q8_0 products; a proposal
+    runs three forwards (3.4 ms eager, 2.2 ms compiled for the default model's drafter on
+    the AVX2 host, beside a 6.6 ms step: ``bench/RESULTS.md``)."""
 
     what = "draft step"
     function = staticmethod(draft_hidden)
@@ -224,7 +225,8 @@ def compile_draft_step(drafter: FeatureDrafter, cache_dir: str | Path | None = N
                        background: bool = False) -> FeatureDrafter:
     """Attach a formatted drafter's compiled :class:`DraftStep`, saved under
     ``<cache>/compiled`` beside the verifier's step (compiled once per drafter shape, format
-    and torch build, about 10 s for the default model's; loaded in about a second later).
+    and torch build: about 25 s for the default model's, beside other work; loaded in well
+    under a second later).
     ``background``: compile on a thread while drafting runs eagerly (a speculator actor). An
     unformatted drafter, a failed compile or a GPU device leaves drafting eager."""
     from treeserve.ops.loaders.registry import resolve_cache_dir
@@ -492,8 +494,8 @@ class FeatureSpeculator:
 __all__ = [
     "DEFAULT_FEATURE_DRAFTER_FILE",
     "DEFAULT_FEATURE_WIDTHS",
-    "FeatureDrafter",
     "DraftStep",
+    "FeatureDrafter",
     "FeatureSpeculator",
     "compile_draft_step",
     "draft_hidden",
