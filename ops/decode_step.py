@@ -187,6 +187,20 @@ class CompiledStep:
 
         threading.Thread(target=run, name=f"{self.what.replace(' ', '-')}-prepare", daemon=True).start()
 
+    def attach(self, *, background: bool = False) -> bool:
+        """:meth:`prepare` now, or, with ``background`` and nothing saved to load yet,
+        :meth:`prepare_in_background`. False when preparing failed (a missing C++ compiler, an
+        inductor failure): it is logged, and the caller keeps its eager path."""
+        if background and self.artifact is not None and not self.artifact.exists():
+            self.prepare_in_background()
+            return True
+        try:
+            self.prepare()
+        except Exception:  # compiling must never stop serving or drafting
+            logger.warning("compiling the %s failed; it stays eager", self.what, exc_info=True)
+            return False
+        return True
+
     def prepare(self) -> None:
         """Load the artifact, or compile it and save it there. Does nothing without an
         artifact path or when already prepared."""

@@ -19,7 +19,6 @@ extended) with predicted states, whose KV is dropped at the next proposal.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -40,8 +39,6 @@ from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.ssm import SSMConfig, add_spine_children, fit_spine_widths
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
 from treeserve.ops.tree_attention import tree_mask_from_parents
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_FEATURE_DRAFTER_FILE = Path(__file__).parent / "data" / "feature_drafter_smollm2-135m-instruct.safetensors"
 """The shipped feature drafter of the default model (``treeserve distill-features`` writes it)."""
@@ -227,8 +224,9 @@ def compile_draft_step(drafter: FeatureDrafter, cache_dir: str | Path | None = N
     ``<cache>/compiled`` beside the verifier's step (compiled once per drafter shape, format
     and torch build: about 25 s for the default model's, beside other work; loaded in well
     under a second later).
-    ``background``: compile on a thread while drafting runs eagerly (a speculator actor). An
-    unformatted drafter, a failed compile or a GPU device leaves drafting eager."""
+    ``background``: compile on a thread while drafting runs eagerly (a speculator actor; a
+    saved step is loaded at once). An unformatted drafter, a failed compile or a GPU device
+    leaves drafting eager."""
     from treeserve.ops.loaders.registry import resolve_cache_dir
 
     if drafter.draft_step is None or drafter.draft_step.artifact is not None or drafter.device.type != "cpu":
@@ -237,16 +235,8 @@ def compile_draft_step(drafter: FeatureDrafter, cache_dir: str | Path | None = N
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_dir / "inductor"))
     name = artifact_name(drafter, kind="draft", weight_format="q8_0", extra_files=(Path(__file__),))
     step = DraftStep(drafter, artifact=compiled_dir / name)
-    if background:
+    if step.attach(background=background):
         drafter.draft_step = step
-        step.prepare_in_background()
-        return drafter
-    try:
-        step.prepare()
-    except Exception:  # a missing compiler or an inductor failure must not stop drafting
-        logger.warning("compiling the feature drafter's step failed; drafting eagerly", exc_info=True)
-        return drafter
-    drafter.draft_step = step
     return drafter
 
 

@@ -364,14 +364,6 @@ def prepare_for_serving(
         logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
         if progress is not None:
             progress(Progress("compile", message))
-    if background and step.artifact is not None and not step.artifact.exists():
+    if step.attach(background=background):
         model.decode_step = step
-        step.prepare_in_background()
-        return model
-    try:
-        step.prepare()
-    except Exception:  # a missing compiler or an inductor failure must not stop serving
-        logger.warning("compiling the decode step failed; serving eagerly", exc_info=True)
-        return model
-    model.decode_step = step
     return model
