@@ -367,8 +367,9 @@ class AdaptiveSpeculation:
         # what a smaller one drafts (the speculators keep their best paths first when a budget
         # cuts them), so it accepts at least as much; but its own evidence may predate a change
         # in the traffic (a suffix index that now holds the answers makes every budget accept
-        # more), and judged on it the policy would keep the size it has. So that evidence is
-        # lifted to the smaller budget's mean, and its next probes start from there.
+        # more), and judged on it the policy would keep the size it has. So where a bigger
+        # budget's mean falls below a smaller one's, the two are pooled (weighted by their
+        # evidence): the stale one rises towards the fresh one, and its next probes start there.
         _make_monotone([self._acceptance[n] for n in cfg.candidates])
         bucket = rows_bucket(num_rows)
         cells = self._cells.setdefault(bucket, {})
