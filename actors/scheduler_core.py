@@ -221,9 +221,10 @@ class SchedulerCore:
         batch = [r for r in self._running.values() if not r.is_cancelled]
         # A step where no row speculates says nothing about tree budgets: the policy neither
         # chooses for it nor learns from it (else a plain step would be costed as a tree step).
-        adaptive = self._adaptive if any(r.speculates for r in batch) else None
+        speculating = any(r.speculates for r in batch)
+        adaptive = self._adaptive if speculating else None
         budget = self.config.max_tree_nodes if adaptive is None else adaptive.tree_budget(len(batch))
-        wants_states = self.config.use_states and any(r.speculates for r in batch)
+        wants_states = self.config.use_states and speculating
         rows = []
         for req in batch:
             assert req.row is not None
@@ -238,7 +239,7 @@ class SchedulerCore:
             tree_budget=budget,
             is_budget_adaptive=adaptive is not None,
             wants_states=wants_states,
-            decode_steps=self._decode_steps(batch, budget > 1 and any(r.speculates for r in batch), wants_states),
+            decode_steps=self._decode_steps(batch, speculating and budget > 1, wants_states),
         )
 
     def _decode_steps(self, batch: Sequence[RequestState], drafting: bool, wants_states: bool) -> int:

@@ -75,18 +75,11 @@ from treeserve.actors.model_host import (
     check_str_or_none,
     load_on_device,
 )
-from treeserve.actors.speculator_factory import (
-    SUFFIX_INDEX_OPTIONS,
-    Drafter,
-    SpeculatorSpec,
-    load_drafter,
-    make_speculators,
-)
+from treeserve.actors.speculator_factory import Drafter, SpeculatorKind, SpeculatorSpec, load_drafter, make_speculators
 from treeserve.actors.tree_wire import ParamsCache
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
-from treeserve.ops.suffix import SuffixIndex
 from treeserve.ops.token_tree import TokenTree, merge_trees
 from treeserve.runtime import Actor, handler
 
@@ -215,8 +208,8 @@ class SpeculatorActor(Actor):
     # ------------------------------------------------------------------ compute (worker thread)
     def _forget_traffic(self) -> None:
         # A new index object: in-flight requests' speculators hold the old one until released.
-        self._drafters = [SuffixIndex(**{k: v for k, v in spec.options.items() if k in SUFFIX_INDEX_OPTIONS})
-                          if isinstance(drafter, SuffixIndex) else drafter
+        assert self._model is not None
+        self._drafters = [load_drafter(spec, self._model) if spec.kind is SpeculatorKind.SUFFIX else drafter
                           for spec, drafter in zip(self.config.speculators, self._drafters)]
 
     def _model_dim(self) -> int:

@@ -110,12 +110,8 @@ class FeatureDrafter(Transformer):
                              f"got {tuple(states.shape)}")
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this drafter")
-        if self.head_kernel is not None and slot_mask is None:  # formatted (format_drafter): serving only
-            if self.draft_step is not None and num_new <= self.draft_step.max_new:
-                return self.draft_step(states, tokens, cache, tree_mask, positions)
-            positions, tree_mask, num_slots = begin_step(cache, batch, num_new, tree_mask, positions)  # a long catch-up
-            return draft_hidden(self, states.to(self.dtype), tokens, positions, tree_mask, cache.lengths, cache.keys,
-                                cache.values, num_slots)
+        if self.draft_step is not None and slot_mask is None:  # formatted (format_drafter): serving only
+            return self.draft_step(states, tokens, cache, tree_mask, positions)
         h = self.fc(torch.cat([states.to(self.dtype), self.embed_tokens(tokens).detach()], dim=-1))  # (B, T, D)
         h = self.run_blocks(h, cache, positions, tree_mask, slot_mask)
         return cast(Tensor, self.norm(h))
@@ -212,10 +208,14 @@ class DraftStep(CompiledStep):
     @torch.inference_mode()
     def __call__(self, states: Tensor, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  positions: Tensor | None = None) -> Tensor:
-        self._check(tokens, cache)
-        positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
-        return self._call(states.to(self.model.dtype).contiguous(), tokens.contiguous(), positions, tree_mask,
-                          cache.lengths, cache.keys, cache.values, num_slots)
+        # A catch-up of more pairs than the step takes (a long prompt's first proposal) runs
+        # the same function eagerly.
+        num_new = tokens.shape[1]
+        self._check(tokens[:, :self.max_new], cache)
+        positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], num_new, tree_mask, positions)
+        args = (states.to(self.model.dtype).contiguous(), tokens.contiguous(), positions, tree_mask,
+                cache.lengths, cache.keys, cache.values, num_slots)
+        return self._call(*args) if num_new <= self.max_new else draft_hidden(self.model, *args)
 
 
 def compile_draft_step(drafter: FeatureDrafter, cache_dir: str | Path | None = None, *,
