@@ -132,16 +132,22 @@ class ProposeReply:
 
 @dataclass(frozen=True)
 class RequestRelease:
-    """``release {"request_id"}`` to a speculator: forget the request (idempotent)."""
+    """``release {"request_id", "new_tokens"?}`` to a speculator: forget the request
+    (idempotent), after the speculators whose index outlives it (suffix) took ``new_tokens``,
+    what it emitted since its last propose (all of its answer when plain decoding was chosen)."""
 
     request_id: str
+    new_tokens: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
+        wire: dict[str, Any] = {"request_id": self.request_id}
+        return {**wire, "new_tokens": list(self.new_tokens)} if self.new_tokens else wire
 
     @classmethod
-    def from_wire(cls, body: Any) -> RequestRelease:
-        return cls(check_request_id(check_body(body, ("request_id",))["request_id"]))
+    def from_wire(cls, body: Any, vocab_size: int) -> RequestRelease:
+        body = check_body(body, ("request_id",), ("new_tokens",))
+        return cls(check_request_id(body["request_id"]), check_token_ids(body.get("new_tokens", []), "new_tokens",
+                                                                          vocab_size))
 
 
 __all__ = ["ProposalRequest", "ProposeBody", "ProposeReply", "RequestRelease", "StartBody"]

@@ -86,10 +86,12 @@ class StepBody:
     the trees' dense draft probabilities stacked in ``draft_probs`` (see the module docstring).
 
     ``decode_steps`` k > 1 (at most :data:`MAX_DECODE_STEPS`) asks for k plain decode steps in
-    one call: every tree must be its root alone and no states are returned. Each step decodes
-    one token per row and the next step's root is that token; a row stops early after a stop
-    token of its params. A row's verdict then has ``accepted == (0,)`` and up to k
-    ``new_tokens``, exactly what k one-step calls would have emitted."""
+    one call: every tree must be its root alone. Each step decodes one token per row and the
+    next step's root is that token; a row stops early after a stop token of its params. A row's
+    verdict then has ``accepted == (0,)`` and up to k ``new_tokens``, exactly what k one-step
+    calls would have emitted, and with ``return_states`` the states of those calls' roots, one
+    per new token (what a feature drafter needs, so it does not hold its requests to one token
+    a call when the adaptive policy chose plain decoding)."""
 
     rows: tuple[StepRow, ...]
     return_states: bool = False
@@ -101,8 +103,6 @@ class StepBody:
                 not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps must be an int in [1, {MAX_DECODE_STEPS}], got {self.decode_steps!r}")
         if self.decode_steps > 1:
-            if self.return_states:
-                raise ValueError("a step of several decode steps returns no states")
             wide = [r.row for r in self.rows if r.tree.num_nodes != 1]
             if wide:
                 raise ValueError(f"a step of several decode steps takes one-node trees; rows {wide} have more")

@@ -358,7 +358,7 @@ class SchedulerActor(Actor):
                 await self._deliver(self.core.verifier_failed(exc).events)
                 return False
             if release.speculates:
-                body = RequestRelease(release.request_id).to_wire()
+                body = RequestRelease(release.request_id, release.new_tokens).to_wire()
                 await asyncio.gather(
                     *(s.ask("release", body, timeout=self.config.step_timeout_s) for s in self.speculators),
                     return_exceptions=True,

@@ -239,17 +239,17 @@ class SchedulerCore:
             tree_budget=budget,
             is_budget_adaptive=adaptive is not None,
             wants_states=wants_states,
-            decode_steps=self._decode_steps(batch, speculating and budget > 1, wants_states),
+            decode_steps=self._decode_steps(batch, speculating and budget > 1),
         )
 
-    def _decode_steps(self, batch: Sequence[RequestState], drafting: bool, wants_states: bool) -> int:
+    def _decode_steps(self, batch: Sequence[RequestState], drafting: bool) -> int:
         """How many plain decode steps the next verifier call runs (see ``SchedulerConfig``):
         1 unless no row drafts (none speculates, or the adaptive policy chose no speculation
-        for the step) and none needs its states (a feature drafter's), every row has streamed
-        its first token and nothing waits."""
+        for the step), every row has streamed its first token and nothing waits. A feature
+        drafter's states come back from such a call too, one per token."""
         if not batch or self._plain_step_s is None or len(self._requests) > len(batch):
             return 1
-        if drafting or wants_states or any(not r.emitted for r in batch):
+        if drafting or any(not r.emitted for r in batch):
             return 1
         fits = int(self.config.decode_ahead_s / max(self._plain_step_s, 1e-6))
         remaining = min(r.params.max_new_tokens - len(r.emitted) for r in batch)
@@ -422,7 +422,9 @@ class SchedulerCore:
         self._running.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         self._free_rows.append(row)
-        return Release(req.request_id, row, req.speculates)
+        # A speculator that must be rebuilt from the history would take these out of step.
+        tail = tuple(req.since_propose) if req.speculates and not req.needs_history else ()
+        return Release(req.request_id, row, req.speculates, tail)
 
     def _end(self, req: RequestState, error: ActorError) -> RequestFailed:
         self._running.pop(req.request_id, None)

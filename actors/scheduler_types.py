@@ -191,11 +191,13 @@ class Admission:
 
 @dataclass(frozen=True)
 class Release:
-    """Free ``row`` on every verifier shard, and the request's state on the speculators."""
+    """Free ``row`` on every verifier shard, and the request's state on the speculators, which
+    first index ``new_tokens`` (emitted since the request's last proposal) for later requests."""
 
     request_id: str
     row: int
     speculates: bool
+    new_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,10 @@ config order. ``capacity`` bounds each request's drafter KV cache (default: the 
   (with ``history``: of all of it but the root); ``feature`` speculators (``{"kind": "feature", "path": null,
   "expansion": [4, 2, 1]}``: the greedy spine's widths; optional ``"dynamic": [depth, top_k,
   num_nodes]``: confidence-shaped trees for greedy requests) draft from them.
-* ``release {"request_id"}`` -> None (idempotent).
+* ``release {"request_id", "new_tokens"?}`` -> None (idempotent): the request's speculators
+  whose index outlives it (``suffix``) first take ``new_tokens``, its tokens since its last
+  propose, so the process-wide index holds every answer, including those decoded without
+  drafting (an adaptive server at plain decoding), and the next requests can draft from them.
 * ``forget_traffic`` -> None: the process-wide suffix indexes start empty again, so later
   requests draft only from what follows (a benchmark of fresh traffic calls it between passes
   over the same prompts); requests in flight keep the index they started with.
@@ -136,6 +139,16 @@ class _FeatureUser(Protocol):
     def add_features(self, states: Tensor) -> None: ...
 
 
+@runtime_checkable
+class _TrafficIndexer(Protocol):
+    """A speculator whose index outlives its request (``indexes_traffic = True``, as
+    :class:`~treeserve.ops.suffix.SuffixSpeculator`): a released request's last tokens go in."""
+
+    indexes_traffic: bool
+
+    def accept(self, new_tokens: Sequence[int]) -> None: ...
+
+
 @dataclass
 class _RequestState:
     speculators: list[Speculator]
@@ -195,9 +208,9 @@ class SpeculatorActor(Actor):
     @handler
     async def release(self, body: Any) -> None:
         """Forget ``request_id`` (idempotent)."""
-        call = RequestRelease.from_wire(body)
+        call = RequestRelease.from_wire(body, self._vocab_size())
         self._params.forget(call.request_id)
-        await self._offload.run(self._states.pop, call.request_id, None)
+        await self._offload.run(self._release, call.request_id, call.new_tokens)
 
     @handler
     async def forget_traffic(self, body: Any) -> None:
@@ -225,6 +238,13 @@ class SpeculatorActor(Actor):
         for speculator in speculators:
             speculator.prefill(tokens)
         self._states[request_id] = _RequestState(speculators, tokens[-1], history_len=len(tokens))
+
+    def _release(self, request_id: str, new_tokens: Sequence[int]) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None and new_tokens:
+            for speculator in state.speculators:
+                if isinstance(speculator, _TrafficIndexer) and speculator.indexes_traffic:
+                    speculator.accept(new_tokens)
 
     def _propose_all(self, requests: Sequence[ProposalRequest]) -> tuple[list[TokenTree | None], list[str]]:
         trees: list[TokenTree | None] = []

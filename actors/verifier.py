@@ -16,10 +16,11 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   unaffected. The caller should end that request and ``release`` its row; the row's
   cache is then zeroed (attention reads masked slots too, and ``0 * NaN`` would carry a stale
   NaN into the row's next request).
-  With ``"decode_steps": k > 1`` (one-node trees only, no states) the call runs up to k plain
-  decode steps, each rooted at the token the last one emitted, and each row's verdict carries
-  the up to k tokens (a row stops after a stop token): one call, and one hop to the compute
-  thread, for k tokens (:class:`~treeserve.actors.messages_verifier.StepBody`).
+  With ``"decode_steps": k > 1`` (one-node trees only) the call runs up to k plain decode
+  steps, each rooted at the token the last one emitted, and each row's verdict carries the up
+  to k tokens (a row stops after a stop token), and with ``"return_states"`` the states of the
+  k roots: one call, and one hop to the compute thread, for k tokens
+  (:class:`~treeserve.actors.messages_verifier.StepBody`).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
 Randomness: a seeded request's tokens are keyed by ``(seed, sequence position)``
@@ -246,13 +247,15 @@ class VerifierShard(Actor):
                  for r in call.rows]
         want_states = call.return_states and not acks_only
         if call.decode_steps > 1:
-            decoded, failures = await self._offload.run(self._decode_rows, model, cache, steps, call.decode_steps)
+            decoded, decoded_states, failures = await self._offload.run(
+                self._decode_rows, model, cache, steps, call.decode_steps, want_states)
             self._rows_to_scrub.update(failures)
             if acks_only:
                 return None
             return StepReply(tuple(RowVerdict(s.row, error=failures[s.row]) if s.row in failures else
-                                   RowVerdict(s.row, (0,), tuple(decoded[s.row])) for s in steps)
-                             ).to_wire(self._info["dim"])
+                                   RowVerdict(s.row, (0,), tuple(decoded[s.row]),
+                                              _float32(torch.cat(decoded_states[s.row])) if want_states else None)
+                                   for s in steps), want_states).to_wire(self._info["dim"])
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
         if acks_only:
@@ -302,30 +305,34 @@ class VerifierShard(Actor):
         return generator
 
     def _decode_rows(
-        self, model: Transformer, cache: KVCache, steps: list[RowStep], num_steps: int
-    ) -> tuple[dict[int, list[int]], dict[int, str]]:
+        self, model: Transformer, cache: KVCache, steps: list[RowStep], num_steps: int, want_states: bool
+    ) -> tuple[dict[int, list[int]], dict[int, list[Tensor]], dict[int, str]]:
         """Up to ``num_steps`` plain decode steps of one-node trees: each step verifies every
         row still decoding and roots its next tree at the token it emitted; a row stops after a
         stop token or a numerical failure (row -> why; its earlier tokens are dropped with it).
-        Each step is exactly a one-step call (same commits, same randomness placement)."""
+        Each step is exactly a one-step call (same commits, same randomness placement), and with
+        ``want_states`` keeps each row's root state ``(1, D)`` per step, as that call would."""
         tokens: dict[int, list[int]] = {step.row: [] for step in steps}
+        states: dict[int, list[Tensor]] = {step.row: [] for step in steps}
         failures: dict[int, str] = {}
         active = steps
         for index in range(num_steps):
-            results, _states, failed = self._verify_rows(model, cache, active, False)
+            results, step_states, failed = self._verify_rows(model, cache, active, want_states)
             failures.update(failed)
             following = []
-            for step, result in zip(active, results):
+            for position, (step, result) in enumerate(zip(active, results)):
                 if step.row in failed:
                     continue
                 tokens[step.row].append(result.bonus_token)
+                if want_states:
+                    states[step.row].append(step_states[position])
                 if index + 1 < num_steps and not step.params.is_stop(result.bonus_token):
                     following.append(RowStep(step.row, TokenTree.root_only(result.bonus_token), step.params,
                                              step.generator))
             if not following:
                 break
             active = following
-        return tokens, failures
+        return tokens, states, failures
 
     def _verify_rows(
         self, model: Transformer, cache: KVCache, steps: list[RowStep], want_states: bool

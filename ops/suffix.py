@@ -172,7 +172,12 @@ class SuffixSpeculator:
 
     ``num_draft_tokens`` bounds the depth and ``max_nodes`` the tree (the actor's share of the
     budget overrides it); nodes whose path probability falls below ``min_probability`` are left
-    out (a rarely seen continuation costs the verifier more than it wins)."""
+    out (a rarely seen continuation costs the verifier more than it wins).
+
+    ``indexes_traffic``: what it accepts outlives the request (the index is shared), so a
+    server feeds it the tokens a request emitted after its last proposal when it ends."""
+
+    indexes_traffic = True
 
     def __init__(self, index: SuffixIndex, vocab_size: int, *, num_draft_tokens: int = 16, max_nodes: int = 24,
                  min_probability: float = 0.1) -> None:

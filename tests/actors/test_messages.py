@@ -154,12 +154,15 @@ def test_the_small_bodies_round_trip() -> None:
     for body, parse in [
         (FinishBody("g", 3), FinishBody.from_wire),
         (RowRelease(2, "g"), RowRelease.from_wire),
-        (RequestRelease("g"), RequestRelease.from_wire),
         (LengthReport("g", 17, True), LengthReport.from_wire),
         (PredictReply(12.5), PredictReply.from_wire),
     ]:
         assert parse(through_codec(body.to_wire())) == body
     assert StartBody.from_wire(through_codec(StartBody("g", (1, 2)).to_wire()), VOCAB) == StartBody("g", (1, 2))
+    for release in (RequestRelease("g"), RequestRelease("g", (4, 5))):
+        assert RequestRelease.from_wire(through_codec(release.to_wire()), VOCAB) == release
+    with pytest.raises(ValueError):
+        RequestRelease.from_wire({"request_id": "g", "new_tokens": [VOCAB]}, VOCAB)
     assert PredictBody.from_wire(through_codec(PredictBody("g", (1, 2)).to_wire()), VOCAB) == PredictBody("g", (1, 2))
     batch = PredictBatchBody((PredictBody("g", (1, 2)), PredictBody("h", (3,))))
     assert PredictBatchBody.from_wire(through_codec(batch.to_wire()), VOCAB) == batch

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from treeserve.actors.scheduler_core import SchedulerCore
@@ -405,8 +406,9 @@ def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> 
     """Speculating requests at an adaptive budget of 1 draft nothing, so a call decodes ahead
     as for plain requests (before, every such step paid the scheduler's and the hop's cost:
     adaptive serving was 0.73x plain decoding at one client on fresh traffic); the policy
-    learns one plain step of the call's mean forward time. A budget above 1, or a feature
-    drafter's states, keep one step a call."""
+    learns one plain step of the call's mean forward time. A budget above 1 keeps one step a
+    call. A feature drafter's rows decode ahead too: the call brings a state per token, and
+    the next proposal carries every token and state since the last one."""
     observed: list[dict[str, Any]] = []
 
     class Fixed:
@@ -432,5 +434,57 @@ def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> 
     states = make_core(max_decode_steps=8, num_speculators=1, adaptive_speculation=True, use_states=True)
     states._adaptive = Fixed()  # type: ignore[assignment]
     submit(states, "a", 0.0, max_tokens=40, speculate="tree")
-    decode(states, 1.0, 0.02, {"a": [5]})
-    assert decode(states, 1.1, 0.02, {"a": [5]}).decode_steps == 1
+    dim = 3
+    for now, emitted in ((1.0, [5]), (1.1, [6, 7, 8, 9, 10])):
+        plan = states.plan(now)
+        for chunk in plan.prefill_chunks:
+            states.prefilled(chunk, [np.zeros((2, dim), np.float32)] * len(chunk))
+        assert plan.wants_states and plan.decode_steps == len(emitted)  # 1 (the first token), then 0.1 s of 20 ms
+        assert states.proposal_asks(plan) == ()  # budget 1: no speculator is asked
+        trees = states.merge_proposals(plan, (), [])
+        verdict = RowVerdict(plan.rows[0].row, (0,), tuple(emitted),
+                             np.arange(len(emitted) * dim, dtype=np.float32).reshape(-1, dim) + emitted[0])
+        states.apply(plan, StepReplies(trees, (verdict,), propose_s=0.0, verify_s=0.02 * len(emitted)), now)
+    states._adaptive.budget = 4  # type: ignore[attr-defined]
+    (ask,) = states.proposal_asks(states.plan(1.2))
+    (entry,) = ask.request.requests
+    assert entry.new_tokens == (5, 6, 7, 8, 9, 10)
+    assert entry.states is not None and entry.states.shape == (2 + 6, dim)  # the prompt's, then one per token
+    assert entry.states[-1, 0] == 6 + 12  # the decode-ahead call's last root's state, in order
+
+
+def test_a_speculating_request_releases_the_tokens_its_speculators_have_not_seen() -> None:
+    """The suffix index outlives a request, and at an adaptive budget of 1 no proposal carries
+    the request's tokens to it: its release does, from the last proposal on (a speculator to be
+    rebuilt from the history gets none, they would be out of step)."""
+
+    class Fixed:
+        budget = 1
+
+        def tree_budget(self, num_rows: int) -> int:
+            return self.budget
+
+        def observe(self, **kwargs: Any) -> None:
+            pass
+
+    core = make_core(max_decode_steps=8, decode_ahead_s=0.1, num_speculators=1, adaptive_speculation=True)
+    core._adaptive = policy = Fixed()  # type: ignore[assignment]
+    for rid in ("a", "c"):
+        submit(core, rid, 0.0, max_tokens=6, speculate="tree")
+    decode(core, 1.0, 0.02, {"a": [5], "c": [5]})
+    policy.budget = 4  # one proposal, which speculator 0 fails: both rows are to be rebuilt
+    plan = core.plan(1.1)
+    asks = core.proposal_asks(plan)
+    assert [len(a.request.requests) for a in asks] == [2]
+    trees = core.merge_proposals(plan, asks, [None])
+    core.speculator_failed(0)
+    verdicts = tuple(RowVerdict(r.row, (0,), (6,)) for r in plan.rows)
+    core.apply(plan, StepReplies(trees, verdicts, propose_s=0.0, verify_s=0.02), 1.1)
+    core._running["a"].needs_history.clear()  # as if a later proposal had rebuilt "a"
+    policy.budget = 1
+    plan = core.plan(1.2)
+    assert plan.decode_steps == 4  # what max_tokens leaves
+    verdicts = tuple(RowVerdict(r.row, (0,), (7, 8, 9, 10)) for r in plan.rows)
+    ended = core.apply(plan, StepReplies(core.merge_proposals(plan, (), []), verdicts, propose_s=0.0, verify_s=0.08), 1.2)
+    assert {r.request_id: (r.speculates, r.new_tokens) for r in ended.releases} == {
+        "a": (True, (6, 7, 8, 9, 10)), "c": (True, ())}  # 6 came from the proposal's own step

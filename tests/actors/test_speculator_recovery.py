@@ -127,3 +127,26 @@ async def test_forget_traffic_empties_the_suffix_index_for_later_requests(tmp_pa
         await spec.ask("start", {"request_id": "d", "prompt_ids": [9, 7, 2]})
         again = await spec.ask("propose", {"requests": [entry("d", [])]})
         assert tree_from_wire(again["trees"][0]).tokens.tolist() == [2, 3]
+
+
+async def test_a_released_request_leaves_its_last_tokens_in_the_suffix_index(tmp_path: Path) -> None:
+    """A request decoded without proposals (an adaptive server at plain decoding) is seen by
+    its speculators only at ``start`` and ``release``: the release's ``new_tokens`` go into the
+    shared index, so the next request over the same prompt drafts the answer. Speculators whose
+    state dies with the request (n-gram) are not fed."""
+    model_dir = tiny.write_tiny_hf_model(tmp_path / "tiny", seed=2)
+    config = {"model": str(model_dir), "capacity": 64, "num_threads": 1,
+              "speculators": [{"kind": "ngram", "num_draft_tokens": 3}, {"kind": "suffix", "num_draft_tokens": 4}]}
+    async with Runtime() as rt:
+        spec = await rt.spawn(SpeculatorActor, config, name="spec", process="child")
+        await spec.ask("start", {"request_id": "a", "prompt_ids": [5, 6, 7]})
+        await spec.ask("release", {"request_id": "a", "new_tokens": [21, 22, 23, 24]})
+        await spec.ask("release", {"request_id": "a", "new_tokens": [30]})  # idempotent: a is gone
+        await spec.ask("start", {"request_id": "b", "prompt_ids": [1, 6, 7]})
+        tree = tree_from_wire((await spec.ask("propose", {"requests": [entry("b", [])]}))["trees"][0])
+        assert tree.tokens.tolist() == [7, 21, 22, 23, 24]  # request a's answer, as deep as max_depth allows
+        await spec.ask("start", {"request_id": "c", "prompt_ids": [1, 6, 7]})
+        await spec.ask("release", {"request_id": "c"})  # nothing new: the index keeps a's answer alone
+        await spec.ask("start", {"request_id": "d", "prompt_ids": [9, 6, 7]})
+        again = tree_from_wire((await spec.ask("propose", {"requests": [entry("d", [])]}))["trees"][0])
+        assert again.tokens.tolist() == [7, 21, 22, 23, 24]

@@ -6,8 +6,9 @@ other one-step calls, for a greedy row, a seeded sampled row and a row that stop
 token mid-call; a one-step call after the k-step ones continues from the right place; the
 greedy row's text is the model's own incremental decoding. A verifier that reuses the first
 root for every step, that commits nothing between steps, or that places a seeded row's
-randomness at the call's first position fails this. Bodies that ask for states or carry a
-multi-node tree with ``decode_steps`` > 1 are refused.
+randomness at the call's first position fails this. The states a k-step call returns are the
+one-step calls' (one per new token, the roots'), so a feature drafter can follow a row that
+decodes ahead. Bodies that carry a multi-node tree with ``decode_steps`` > 1 are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from treeserve.actors.messages_verifier import PrefillRow, RowVerdict, StepBody, StepRow
@@ -43,19 +45,24 @@ def single(token: int) -> TokenTree:
     return TokenTree.from_parents([-1], [token])
 
 
-async def run(group: VerifierGroup, params: list[SamplingParams], decode_steps: int) -> list[list[int]]:
+async def run(group: VerifierGroup, params: list[SamplingParams], decode_steps: int
+              ) -> tuple[list[list[int]], list[np.ndarray]]:
     """Prefill every prompt, then ``CALLS * K`` tokens per row (fewer for a row that stopped) in
-    calls of ``decode_steps`` steps, then one more one-step call; each row's tokens."""
+    calls of ``decode_steps`` steps (with states), then one more one-step call; each row's
+    tokens and the states of those calls."""
     await group.prefill([PrefillRow(i, p) for i, p in enumerate(PROMPTS)])
     emitted: list[list[int]] = [[] for _ in PROMPTS]
+    states: list[list[np.ndarray]] = [[] for _ in PROMPTS]
     stopped: set[int] = set()
     for _ in range(CALLS * K // decode_steps):
         rows = [StepRow(i, single(emitted[i][-1] if emitted[i] else PROMPTS[i][-1]), params[i], f"r{i}")
                 for i in range(len(PROMPTS)) if i not in stopped]
-        verdicts: list[RowVerdict] = await group.step(rows, return_states=False, decode_steps=decode_steps)
+        verdicts: list[RowVerdict] = await group.step(rows, return_states=True, decode_steps=decode_steps)
         for row, verdict in zip(rows, verdicts):
             assert verdict.error is None and verdict.accepted == (0,) and 1 <= len(verdict.new_tokens) <= decode_steps
+            assert verdict.states is not None and verdict.states.shape[0] == len(verdict.new_tokens)
             emitted[row.row] += verdict.new_tokens
+            states[row.row].append(verdict.states)
             if params[row.row].is_stop(verdict.new_tokens[-1]):
                 stopped.add(row.row)
             else:
@@ -63,7 +70,7 @@ async def run(group: VerifierGroup, params: list[SamplingParams], decode_steps: 
     rows = [StepRow(i, single(emitted[i][-1]), params[i], f"r{i}") for i in range(len(PROMPTS)) if i not in stopped]
     for row, verdict in zip(rows, await group.step(rows, return_states=False)):
         emitted[row.row] += verdict.new_tokens
-    return emitted
+    return emitted, [np.concatenate(parts) for parts in states]
 
 
 async def test_k_steps_in_one_call_emit_what_k_calls_emit(tmp_path: Path) -> None:
@@ -78,9 +85,11 @@ async def test_k_steps_in_one_call_emit_what_k_calls_emit(tmp_path: Path) -> Non
     async with Runtime() as rt:
         ahead = VerifierGroup([await rt.spawn(VerifierShard, shard_config(model_dir), name="ahead")], timeout_s=60)
         plain = VerifierGroup([await rt.spawn(VerifierShard, shard_config(model_dir), name="plain")], timeout_s=60)
-        got = await run(ahead, params, K)
-        want = await run(plain, params, 1)
+        got, got_states = await run(ahead, params, K)
+        want, want_states = await run(plain, params, 1)
         assert got == want
+        for mine, theirs in zip(got_states, want_states):
+            np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
         assert got[0] == reference[:CALLS * K + 1]
         assert got[2][-1] == stop_at and K < len(got[2]) < 2 * K  # stopped in its second call's middle
         assert len(set(got[1])) > 1  # the sampled row really sampled
@@ -88,8 +97,6 @@ async def test_k_steps_in_one_call_emit_what_k_calls_emit(tmp_path: Path) -> Non
         bad = StepRow(0, TokenTree.from_parents([-1, 0], [3, 4]), greedy, "r0")
         with pytest.raises(ValueError, match="one-node trees"):
             StepBody((bad,), decode_steps=2)
-        with pytest.raises(ValueError, match="no states"):
-            StepBody((StepRow(0, single(3), greedy, "r0"),), return_states=True, decode_steps=2)
         forged = StepBody((StepRow(0, single(3), greedy, "r0"),)).to_wire()
         with pytest.raises(ActorError, match="one-node trees"):
             await ahead.shards[0].ask("step", {**forged, "decode_steps": 2, "rows": [
