@@ -212,6 +212,8 @@ def measure_format(name: str, args: argparse.Namespace, roofline: float, prompts
         "load_s": round(load_s, 2),
         "compile_s": round(compile_s, 2),
         "compiled_decode_step": step is not None,
+        # The q4_1 format on the AVX2 kernels runs its blocks in one C++ op (nothing compiled).
+        "fused_decode_step": bool(getattr(step, "is_fused", False)),
     }
     entry["batch_speedup_64"] = round(entry["batch_tok_s"]["64"] / entry["decode_tok_s"], 1)
     return entry, model

@@ -41,7 +41,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from treeserve.ops.kernels import tree_attention_cpu
+from treeserve.ops.kernels import decode_layers, tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer, apply_rope
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
@@ -280,11 +280,16 @@ class DecodeStep(CompiledStep):
     :func:`step_hidden`.
 
     Writes each row's new K/V after its committed tokens and marks them pending, as
-    ``Transformer.forward`` does. Compiled or eager as :class:`CompiledStep` says. Longer
-    inputs (prefill) stay with the model's eager forward.
+    ``Transformer.forward`` does. Compiled or eager as :class:`CompiledStep` says, or, after
+    :meth:`fuse`, every block in one C++ op where the model's format and this CPU allow it.
+    Longer inputs (prefill) stay with the model's eager forward.
     """
 
     function = staticmethod(step_hidden)
+
+    def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
+        super().__init__(model, artifact=artifact)
+        self._fused: list[Tensor] | None = None  # decode_layers.weights once fuse() took
 
     def _example_args(self) -> tuple[object, ...]:
         cache, positions, tree_mask, num_slots = self._example_cache()
@@ -293,11 +298,32 @@ class DecodeStep(CompiledStep):
         torch._dynamo.mark_dynamic(tokens, 1)
         return (self.model, tokens, positions, tree_mask, cache.lengths, cache.keys, cache.values, num_slots)
 
+    def fuse(self) -> bool:
+        """Run every block in one C++ op from now on, where the model fits it (the q4_1 format
+        on the AVX2 kernels, :mod:`~treeserve.ops.kernels.decode_layers`): the same kernels and
+        weights without the compiled step's Python wrapper, and nothing to compile or load
+        (:meth:`prepare` then does nothing). Returns whether it does."""
+        if self._fused is None and decode_layers.fits(self.model):
+            self._fused = decode_layers.weights(self.model)
+        return self._fused is not None
+
+    @property
+    def is_fused(self) -> bool:
+        """True once :meth:`fuse` took."""
+        return self._fused is not None
+
+    def prepare(self) -> None:
+        if self._fused is None:
+            super().prepare()
+
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  positions: Tensor | None = None) -> Tensor:
         self._check(tokens, cache)
         positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
+        if self._fused is not None:
+            return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
+                                     cache.lengths, cache.keys, cache.values)
         # The compiled function was traced on dense inputs (it checks their strides).
         return self._call(tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
                           num_slots)

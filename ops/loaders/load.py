@@ -329,6 +329,9 @@ def prepare_for_serving(
     format and torch build and saved under
     ``<cache>/compiled`` (107-116 s on this project's 2 cores); later starts load it in seconds. If
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
+    Where the model fits :meth:`~treeserve.ops.decode_step.DecodeStep.fuse` (q4_1 on a CPU with
+    AVX2 and no AVX-512) its blocks run in one C++ op instead, whatever ``compile_decode`` says:
+    nothing is compiled, and a one-row step took 3.6 ms against the compiled step's 6.0.
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
     from treeserve.ops.decode_step import DecodeStep, artifact_name
@@ -352,7 +355,13 @@ def prepare_for_serving(
             for stale in saved.parent.glob(f"{saved.name.rsplit('-', 1)[0]}-*.safetensors"):
                 if stale != saved:
                     stale.unlink(missing_ok=True)
-    if fmt is WeightFormat.FLOAT32 or not compile_decode or model.device.type != "cpu":
+    if fmt is WeightFormat.FLOAT32 or model.device.type != "cpu":
+        return model
+    fused = DecodeStep(model)
+    if fused.fuse():  # the q4_1 format on the AVX2 kernels: one C++ op, nothing to compile
+        model.decode_step = fused
+        return model
+    if not compile_decode:
         return model
     compiled_dir = resolve_cache_dir(cache_dir) / "compiled"
     # The saved step refers to inductor's compiled kernels by their cache keys: keep that cache

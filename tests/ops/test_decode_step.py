@@ -206,6 +206,45 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, 
         assert recovered.is_compiled and recovered.compile_seconds is not None and broken.stat().st_size > 100
 
 
+def test_fused_step_matches_eager_and_writes_the_same_cache() -> None:
+    """Every block in one C++ op (the q4_1 format on the AVX2 kernels): the eager step's logits
+    within bf16 rounding, for one token per row, ragged rows and trees, the same new K/V at each
+    row's own slots and nothing else of the cache touched. A wrong rotation, slot, mask or
+    residual differs by the logits' spread."""
+    model = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    fused = DecodeStep(model)
+    if not fused.fuse():
+        pytest.skip("needs the AVX2 q4_1 kernels (a CPU without AVX-512), the CPU tree-attention kernel and a C++ compiler")
+    assert fused.is_fused and not fused.is_compiled
+    fused.prepare()  # nothing to compile
+    assert fused.compile_seconds is None
+    eager = DecodeStep(model)
+    for lengths, num_nodes in (([3], 1), ([5, 30, 11], 1), ([2, 2, 2, 2], 1), ([3], 5), ([5, 30, 11], 16)):
+        cache = _ragged_cache(model, lengths, capacity=48)
+        twin = _clone(cache)
+        tokens, mask, positions = _trees(lengths, num_nodes, seed=num_nodes)
+        logits = model.logits(fused(tokens, cache, mask, positions))
+        reference = model.logits(eager(tokens, twin, mask, positions))
+        spread = (reference.amax(-1) - reference.amin(-1))[..., None]
+        # Measured on these cases: 0.007-0.065 of the spread (the compiled step 0.008-0.037; the
+        # 16-node trees are the far end of both). Dropping the MLP's residual, swapping K and V
+        # or turning RoPE's second half fails this.
+        assert ((logits - reference).abs() / spread).max().item() <= 0.1
+        assert torch.equal(cache.lengths, twin.lengths) and cache.num_pending == twin.num_pending
+        for mine, theirs in zip(cache.keys + cache.values, twin.keys + twin.values):
+            for row, length in enumerate(lengths):
+                assert torch.equal(mine[row, :, :length], theirs[row, :, :length])
+                assert torch.equal(mine[row, :, length + num_nodes:], theirs[row, :, length + num_nodes:])
+                new, want = mine[row, :, length:length + num_nodes].float(), theirs[row, :, length:length + num_nodes].float()
+                # bf16 roundings apart, compounded through the layers (the int8 rows of q4_mm
+                # turn a rounding of x into a step of its quantized value); a wrong slot differs
+                # by the values themselves.
+                assert (new - want).abs().max() <= 0.15 * want.abs().max()
+    hooked = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    hooked.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: None)
+    assert not DecodeStep(hooked).fuse()  # tensor parallelism's all-reduce is such a hook: it must run
+
+
 def test_artifact_name_follows_the_format() -> None:
     a = apply_format(make_tiny_model(0, **FORMAT_DIMS), "q4_1")
     b = apply_format(make_tiny_model(0, **FORMAT_DIMS), "bfloat16")
