@@ -389,7 +389,9 @@ def row_checked_verifier(inner: VerifyFn) -> VerifyFn:
     ranks it runs inside rank 0's verifier, whose decision (failure included) is broadcast."""
 
     def verifier(tree: TokenTree, logits: Tensor, params: SamplingParams, randomness: Randomness) -> VerifyResult:
-        if not bool(torch.isfinite(logits).all()):
+        # One sum first (a NaN or inf anywhere makes it non-finite), the elementwise check only
+        # then: it cost 0.16 ms of a 5 ms step over a 49,152-word vocabulary.
+        if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
             raise RowVerificationFailed("numerical failure: the model's logits for this request are not finite")
         try:
             return inner(tree, logits, params, randomness)

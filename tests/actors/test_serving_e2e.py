@@ -116,7 +116,10 @@ async def test_tp2_equals_tp1(tiny_folder: Path) -> None:
 
 
 async def test_cancel_frees_the_row(tiny_folder: Path) -> None:
-    async with Server(config(tiny_folder, num_rows=1)) as server, Client(server.endpoint) as client:
+    # Decode-ahead calls of at most 8 steps: a stop string found in one call's tokens reaches
+    # the scheduler while the next call runs, so the request ends a call later; with the
+    # default's 32 (0.1 s of the tiny model's steps) that call would be the rest of the 40.
+    async with Server(config(tiny_folder, num_rows=1, max_decode_steps=8)) as server, Client(server.endpoint) as client:
         stream = client.stream([5, 6, 7], speculate="none", max_tokens=100)
         async for chunk in stream:
             assert chunk.token_ids
