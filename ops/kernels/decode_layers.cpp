@@ -5,7 +5,8 @@
 // Why: at one row the compiled step's own work is about 4.5 ms, but the step took about 6.5.
 // Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each, with
 // their buffers) and its prologue reads ~130 tensor sizes; 1.5-2 ms a step on this project's
-// 2-core AVX2 host (bench/RESULTS.md). Here one op runs every block: the matrix products and
+// 2-core AVX2 host (bench/RESULTS.md; this op runs the blocks 1.5-1.7x as fast at one row,
+// bench/fused_step.py). Here one op runs every block: the matrix products and
 // the attention are the same ops, called through the dispatcher without Python
 // (treeserve_avx2::q4_mm, treeserve_attn::write_kv and tree_decode), and the small elementwise
 // work between them is written out below.
