@@ -53,25 +53,6 @@ inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint1
 inline uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 inline void store8(bf16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_round8(v)); }
 
-// exp(x), float32, for any x: clamped to [-87.3, 88.7] (0 and inf are not reached: silu below
-// divides by 1 + exp, which then is 1 or huge), x = n ln2 + r with |r| <= ln2 / 2, a degree-7
-// Taylor polynomial of exp(r) (relative error below 1e-7), scaled by 2^n.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln2 in two parts: n * hi exact
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  return _mm256_mul_ps(p, simd16::pow2(n));
-}
-
 // y[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), every row of D (a multiple of 8).
 void rms_norm(const bf16* x, const float* w, int64_t rows, int64_t D, double eps, bf16* y) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
@@ -121,16 +102,18 @@ void add_into(bf16* h, const bf16* delta, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store8(h + i, _mm256_add_ps(bf16x8(bits(h + i)), bf16x8(bits(delta + i))));
 }
 
-// out[r] = bf16(silu(g) * u) for a row g | u of 2F (F a multiple of 8).
+// out[r] = bf16(silu(g) * u) for a row g | u of 2F (F a multiple of 16): g / (1 + exp(-g)),
+// with simd16's exp (clamped: a very negative g gives g / 3.3e38, about 0).
 void silu_mul(const bf16* gate_up, int64_t rows, int64_t F, bf16* out) {
+  using simd16::V16;
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const V16 one = simd16::vset1(1.0f);
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* g = bits(gate_up + r * 2 * F);
-      for (int64_t i = 0; i < F; i += 8) {
-        const __m256 gv = bf16x8(g + i);
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
-        store8(out + r * F + i, _mm256_mul_ps(silu, bf16x8(g + F + i)));
+      for (int64_t i = 0; i < F; i += 16) {
+        const V16 gv = simd16::vload_bf16(g + i, 0xffff);
+        const V16 silu = simd16::vdiv(gv, simd16::vadd(one, simd16::vexp(simd16::vsub(simd16::vzero(), gv))));
+        simd16::vstore_bf16(bits(out + r * F + i), simd16::vmul(silu, simd16::vload_bf16(g + F + i, 0xffff)), 0xffff);
       }
     }
   });

@@ -1,4 +1,4 @@
-// Sixteen float32 lanes for tree_attention_cpu.cpp, on AVX-512 (one zmm register) or on AVX2
+// Sixteen float32 lanes for tree_attention_cpu.cpp (and decode_layers.cpp's SiLU), on AVX-512 (one zmm register) or on AVX2
 // (two ymm halves), whichever the file is compiled for (cpp_build picks the flags by CPU). The
 // kernel is written once against these operations; the AVX-512 backend is the intrinsics it
 // was first written with, one for one.
@@ -31,6 +31,8 @@ inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }    // a * b + c
 inline V16 vfnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
 inline V16 vmaskz_loadu(Mask16 m, const float* p) { return {_mm512_maskz_loadu_ps(m, p)}; }
@@ -115,6 +117,8 @@ inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps
 inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 vfnmadd(V16 a, V16 b, V16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 vmaskz_loadu(Mask16 m, const float* p) {
@@ -234,5 +238,25 @@ inline void transpose16(V16 t[16]) {
 }
 
 #endif
+
+// exp(x) with x clamped to [-87, 88.7] (about 1.6e-38 to 3.3e38, so never 0 or inf): x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r) (relative error below 1e-8), then
+// scaled by 2^n. The attention's softmax weights (scores minus their running maximum, <= 0) and
+// the decode step's SiLU use it.
+inline V16 vexp(V16 x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.7f));
+  const V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V16 r = vfnmadd(n, vset1(0.693145751953125f), x);  // ln2, split in two
+  r = vfnmadd(n, vset1(1.428606765330187e-06f), r);
+  V16 p = vset1(1.0f / 5040);
+  p = vfmadd(p, r, vset1(1.0f / 720));
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vmul_pow2(p, n);
+}
 
 }  // namespace simd16

@@ -112,6 +112,23 @@ def _trees(lengths: list[int], num_nodes: int, seed: int) -> tuple[torch.Tensor,
     return torch.randint(0, 100, (len(lengths), num_nodes), generator=gen), mask, positions
 
 
+STEP_CASES = (([3], 1), ([5, 30, 11], 1), ([2, 2, 2, 2], 1), ([3], 5), ([5, 30, 11], 16))
+"""(committed lengths of the rows, new tokens a row): one token per row, ragged rows, trees."""
+
+
+def _against_eager(step: DecodeStep, lengths: list[int], num_nodes: int) -> tuple[float, KVCache, KVCache]:
+    """One call of ``step`` and of the eager step on twin ragged caches with random trees: the
+    largest logit gap relative to the eager logits' spread, and the two caches."""
+    model = step.model
+    cache = _ragged_cache(model, lengths, capacity=48)
+    twin = _clone(cache)
+    tokens, mask, positions = _trees(lengths, num_nodes, seed=num_nodes)
+    logits = model.logits(step(tokens, cache, mask, positions))
+    eager = model.logits(DecodeStep(model)(tokens, twin, mask, positions))
+    spread = (eager.amax(-1) - eager.amin(-1))[..., None]
+    return ((logits - eager).abs() / spread).max().item(), cache, twin
+
+
 @BOTH_ATTENTIONS
 def test_eager_step_of_a_tree_equals_the_general_forward_in_float32(attention: str) -> None:
     """Ragged rows, each with its own random tree: the step's mask, positions and K/V slots
@@ -167,17 +184,11 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, 
     step.prepare()
     assert step.is_compiled and artifact.exists() and step.compile_seconds is not None
     eager_step = DecodeStep(model)
-    for lengths, num_nodes in (([3], 1), ([5, 30, 11], 1), ([2, 2, 2, 2], 1), ([3], 5), ([5, 30, 11], 16)):
-        cache = _ragged_cache(model, lengths, capacity=48)
-        twin = _clone(cache)
-        tokens, mask, positions = _trees(lengths, num_nodes, seed=num_nodes)
-        logits = model.logits(step(tokens, cache, mask, positions))
-        eager = model.logits(eager_step(tokens, twin, mask, positions))
+    for lengths, num_nodes in STEP_CASES:
         # bf16 activations: inductor keeps fused intermediates in float32 where eager rounds
         # them, so the two differ by bf16 rounding (relative to the logits' spread, as in
         # test_formats); a wrong slot, mask or row would differ by the spread itself.
-        spread = (eager.amax(-1) - eager.amin(-1))[..., None]
-        assert ((logits - eager).abs() / spread).max().item() <= 0.05
+        assert _against_eager(step, lengths, num_nodes)[0] <= 0.05
     loaded = DecodeStep(model, artifact=artifact)
     loaded.prepare()
     assert loaded.load_seconds is not None and loaded.compile_seconds is None
@@ -218,18 +229,12 @@ def test_fused_step_matches_eager_and_writes_the_same_cache() -> None:
     assert fused.is_fused and not fused.is_compiled
     fused.prepare()  # nothing to compile
     assert fused.compile_seconds is None
-    eager = DecodeStep(model)
-    for lengths, num_nodes in (([3], 1), ([5, 30, 11], 1), ([2, 2, 2, 2], 1), ([3], 5), ([5, 30, 11], 16)):
-        cache = _ragged_cache(model, lengths, capacity=48)
-        twin = _clone(cache)
-        tokens, mask, positions = _trees(lengths, num_nodes, seed=num_nodes)
-        logits = model.logits(fused(tokens, cache, mask, positions))
-        reference = model.logits(eager(tokens, twin, mask, positions))
-        spread = (reference.amax(-1) - reference.amin(-1))[..., None]
+    for lengths, num_nodes in STEP_CASES:
+        gap, cache, twin = _against_eager(fused, lengths, num_nodes)
         # Measured on these cases: 0.007-0.065 of the spread (the compiled step 0.008-0.037; the
         # 16-node trees are the far end of both). Dropping the MLP's residual, swapping K and V
         # or turning RoPE's second half fails this.
-        assert ((logits - reference).abs() / spread).max().item() <= 0.1
+        assert gap <= 0.1
         assert torch.equal(cache.lengths, twin.lengths) and cache.num_pending == twin.num_pending
         for mine, theirs in zip(cache.keys + cache.values, twin.keys + twin.values):
             for row, length in enumerate(lengths):
