@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -239,7 +240,8 @@ def _verify_rows(
         for start, stop in blocks:
             view = row_block(cache, start, stop)
             views.append((start, view))
-            pad = TokenTree.from_parents([-1], [pad_token_id])
+            if any(r not in by_row for r in range(start, stop)):
+                pad = TokenTree.from_parents([-1], [pad_token_id])  # 0.07 ms: only for a block with gaps
             trees = [by_row[r].tree if r in by_row else pad for r in range(start, stop)]
             device = cache.device
             if all(tree.num_nodes == 1 for tree in trees):
@@ -303,6 +305,10 @@ def _plan_blocks(rows: list[int], num_nodes: dict[int, int], lengths: list[int],
     return blocks
 
 
+_row_slices: weakref.WeakKeyDictionary[KVCache, dict[tuple[int, int], tuple[list[Tensor], list[Tensor], Tensor]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def row_block(cache: KVCache, start: int, stop: int) -> KVCache:
     """A KVCache over rows ``[start, stop)`` sharing ``cache``'s storage (no copy).
 
@@ -311,9 +317,17 @@ def row_block(cache: KVCache, start: int, stop: int) -> KVCache:
     every caller commits or truncates all of the view's rows before ``cache`` is used again.
     """
     view = copy.copy(cache)
-    view.keys = [k[start:stop] for k in cache.keys]  # (b, n_kv, capacity, hd) views
-    view.values = [v[start:stop] for v in cache.values]
-    view.lengths = cache.lengths[start:stop]  # a view: commit() updates cache.lengths
+    # Slicing 2 x num_layers tensors took 0.12 ms (2.5% of a one-row q4_1 step): the slices of
+    # each block are kept, since the storage they view is never replaced.
+    slices = _row_slices.get(cache)
+    if slices is None:
+        slices = _row_slices[cache] = {}
+    if (start, stop) not in slices:
+        slices[start, stop] = ([k[start:stop] for k in cache.keys],  # (b, n_kv, capacity, hd) views
+                               [v[start:stop] for v in cache.values], cache.lengths[start:stop])
+    keys, values, lengths = slices[start, stop]
+    view.keys, view.values = list(keys), list(values)
+    view.lengths = lengths  # a view: commit() updates cache.lengths
     view.batch_size = stop - start
     view.num_pending = [0] * (stop - start)
     cache.num_pending[start:stop] = [0] * (stop - start)
