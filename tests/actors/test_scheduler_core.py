@@ -402,6 +402,21 @@ def test_decode_ahead_stops_at_max_tokens_counts_each_forward_and_never_speculat
         verify(core, plan, now)
 
 
+class FixedBudget:
+    """An adaptive policy stand-in: the tree budget the test sets (``budget``), and every
+    observed step's arguments (``observed``)."""
+
+    def __init__(self) -> None:
+        self.budget = 1
+        self.observed: list[dict[str, Any]] = []
+
+    def tree_budget(self, num_rows: int) -> int:
+        return self.budget
+
+    def observe(self, **kwargs: Any) -> None:
+        self.observed.append(kwargs)
+
+
 def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> None:
     """Speculating requests at an adaptive budget of 1 draft nothing, so a call decodes ahead
     as for plain requests (before, every such step paid the scheduler's and the hop's cost:
@@ -409,20 +424,9 @@ def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> 
     learns one plain step of the call's mean forward time. A budget above 1 keeps one step a
     call. A feature drafter's rows decode ahead too: the call brings a state per token, and
     the next proposal carries every token and state since the last one."""
-    observed: list[dict[str, Any]] = []
-
-    class Fixed:
-        def __init__(self) -> None:
-            self.budget = 1
-
-        def tree_budget(self, num_rows: int) -> int:
-            return self.budget
-
-        def observe(self, **kwargs: Any) -> None:
-            observed.append(kwargs)
-
     core = make_core(max_decode_steps=8, decode_ahead_s=0.1, num_speculators=1, adaptive_speculation=True)
-    policy = Fixed()
+    policy = FixedBudget()
+    observed = policy.observed
     core._adaptive = policy  # type: ignore[assignment]
     submit(core, "a", 0.0, max_tokens=40, speculate="tree")
     assert decode(core, 1.0, 0.02, {"a": [5]}).decode_steps == 1  # the first token alone
@@ -432,7 +436,7 @@ def test_decode_ahead_runs_when_the_adaptive_policy_chooses_no_speculation() -> 
     policy.budget = 4
     assert core.plan(1.2).decode_steps == 1
     states = make_core(max_decode_steps=8, num_speculators=1, adaptive_speculation=True, use_states=True)
-    states._adaptive = Fixed()  # type: ignore[assignment]
+    states._adaptive = FixedBudget()  # type: ignore[assignment]
     submit(states, "a", 0.0, max_tokens=40, speculate="tree")
     dim = 3
     for now, emitted in ((1.0, [5]), (1.1, [6, 7, 8, 9, 10])):
@@ -457,18 +461,8 @@ def test_a_speculating_request_releases_the_tokens_its_speculators_have_not_seen
     """The suffix index outlives a request, and at an adaptive budget of 1 no proposal carries
     the request's tokens to it: its release does, from the last proposal on (a speculator to be
     rebuilt from the history gets none, they would be out of step)."""
-
-    class Fixed:
-        budget = 1
-
-        def tree_budget(self, num_rows: int) -> int:
-            return self.budget
-
-        def observe(self, **kwargs: Any) -> None:
-            pass
-
     core = make_core(max_decode_steps=8, decode_ahead_s=0.1, num_speculators=1, adaptive_speculation=True)
-    core._adaptive = policy = Fixed()  # type: ignore[assignment]
+    core._adaptive = policy = FixedBudget()  # type: ignore[assignment]
     for rid in ("a", "c"):
         submit(core, rid, 0.0, max_tokens=6, speculate="tree")
     decode(core, 1.0, 0.02, {"a": [5], "c": [5]})
