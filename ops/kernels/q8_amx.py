@@ -56,7 +56,7 @@ def available() -> bool:
 
 
 def avx2() -> bool:
-    """True when :func:`mm` runs the AVX2 kernel (``q_avx2.cpp``, fp32 FMAs at every row count):
+    """True when :func:`mm` runs the AVX2 kernel (``q_avx2.cpp``, int16 rows at every row count):
     this one cannot run here, that one can."""
     return not _loaded() & cpp_build.VECTORS and avx2_kernel.loaded()
 

@@ -1,6 +1,7 @@
 """The int formats' Q8_0 LM head (``treeserve.ops.kernels.q8_amx``): both of its paths, and its
-AVX2 twin (``q_avx2.cpp``), multiply by the blocks' exact values ``q * d``, at every row count, and llama.cpp's quantization recovers
-a Q8_0 weight's own codes and scales."""
+AVX2 twin (``q_avx2.cpp``, int16 rows), multiply by the blocks' exact values ``q * d``, give a row
+the same bits at every row count, and llama.cpp's quantization recovers a Q8_0 weight's own codes
+and scales."""
 
 from __future__ import annotations
 
@@ -86,6 +87,35 @@ def test_paths_agree_on_random_rows(rows: int, path: tuple[int, bool]) -> None:
     folded = head(x.reshape(1, rows, 192))  # leading dims fold into rows
     assert folded.shape == (1, rows, 128)
     assert torch.equal(folded[0], _run(head, x, (q8_amx.MIN_ROWS, not AVX512)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_row_gets_the_same_bits_at_every_row_count(path: tuple[int, bool]) -> None:
+    """A verify step's rows must get the logits the one-row decode step gets (speculation in the
+    int formats returns the server's own incremental output): each row of a batch equals the
+    same row run alone and in every prefix of the batch, bit for bit."""
+    exact, head = _weight(96, 160, seed=3)
+    x = (torch.randn(40, 160, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 1, 40)[:, None]).bfloat16()
+    together = _run(head, x, path)
+    for rows in ROW_COUNTS:
+        assert torch.equal(_run(head, x[:rows], path), together[:rows]), rows
+    for row in (0, 7, 39):
+        assert torch.equal(_run(head, x[row:row + 1], path)[0], together[row]), row
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_zero_and_non_finite_rows(path: tuple[int, bool]) -> None:
+    """A row of zeros gives zeros; a NaN or an inf anywhere in a row makes its outputs non-finite
+    (a broken hidden state must not pass for logits), and leaves the other rows alone."""
+    exact, head = _weight(64, 96, seed=5)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[1] = 0
+    x[2, 40] = float("nan")
+    x[3, 70] = float("inf")
+    out = _run(head, x, path)
+    assert torch.equal(out[1], torch.zeros(64))
+    assert not out[2].isfinite().any() and not out[3].isfinite().any()
+    assert torch.equal(out[0], _run(head, x[:1], path)[0]) and out[0].isfinite().all()
 
 
 def test_pack_refuses_shapes_off_the_block_grid() -> None:
