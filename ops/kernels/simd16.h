@@ -121,15 +121,27 @@ inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps
 inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 vfnmadd(V16 a, V16 b, V16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+// All 16 lanes (the common case, a whole block) take the plain instructions: vmaskmovps costs
+// several times a load or store (its store most, on AMD's cores).
 inline V16 vmaskz_loadu(Mask16 m, const float* p) {
+  if ((m & 0xffff) == 0xffff) return vloadu(p);
   return {_mm256_maskload_ps(p, _mm256_castps_si256(lane_mask(m))), _mm256_maskload_ps(p + 8, _mm256_castps_si256(lane_mask(m >> 8)))};
 }
 inline void vmask_storeu(float* p, Mask16 m, V16 a) {
+  if ((m & 0xffff) == 0xffff) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+    return;
+  }
   _mm256_maskstore_ps(p, _mm256_castps_si256(lane_mask(m)), a.lo);
   _mm256_maskstore_ps(p + 8, _mm256_castps_si256(lane_mask(m >> 8)), a.hi);
 }
-inline V16 vmaskz_mov(Mask16 m, V16 a) { return {_mm256_and_ps(a.lo, lane_mask(m)), _mm256_and_ps(a.hi, lane_mask(m >> 8))}; }
+inline V16 vmaskz_mov(Mask16 m, V16 a) {
+  if ((m & 0xffff) == 0xffff) return a;
+  return {_mm256_and_ps(a.lo, lane_mask(m)), _mm256_and_ps(a.hi, lane_mask(m >> 8))};
+}
 inline V16 vmask_max(V16 src, Mask16 m, V16 a, V16 b) {
+  if ((m & 0xffff) == 0xffff) return vmax(a, b);
   return {_mm256_blendv_ps(src.lo, _mm256_max_ps(a.lo, b.lo), lane_mask(m)),
           _mm256_blendv_ps(src.hi, _mm256_max_ps(a.hi, b.hi), lane_mask(m >> 8))};
 }

@@ -122,9 +122,9 @@ inline void block_values(const float* v, int64_t count, const float (*weight)[25
 #if !defined(__AVX512F__)
 // AVX2: scores straight from the cache's key rows, with no transposed copy (on AVX2 a 16 x 16
 // transpose is two dozen shuffles per 16 keys and a head's worth of them per block, which cost
-// more than the products). Per key, its head vector widened to eight fp32 vectors once for the
-// RB rows, eight FMAs a row into two sums, and eight keys' sums reduced at once by horizontal
-// adds (hsum8). The same fp32 products as block_scores, summed in another order.
+// more than the products). Per key, each 8-dim piece of it widened to fp32 once for the RB rows,
+// eight FMAs a row into two sums, and eight keys' sums reduced at once by horizontal adds
+// (hsum8). The same fp32 products as block_scores, summed in another order.
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const uint16_t* p) {  // bf16 -> f32 is exact
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -150,16 +150,24 @@ inline void direct_scores(const float (*q)[NV * 16], const T* k, int64_t n, floa
         continue;
       }
       const T* row = k + (j + i) * NV * 16;
-      __m256 kv[2 * NV];
-      for (int c = 0; c < 2 * NV; ++c) kv[c] = widen8(row + c * 8);
-      for (int r = 0; r < RB; ++r) {
-        __m256 a0 = _mm256_mul_ps(kv[0], _mm256_load_ps(q[r])), a1 = _mm256_mul_ps(kv[1], _mm256_load_ps(q[r] + 8));
-        for (int c = 2; c < 2 * NV; c += 2) {
-          a0 = _mm256_fmadd_ps(kv[c], _mm256_load_ps(q[r] + c * 8), a0);
-          a1 = _mm256_fmadd_ps(kv[c + 1], _mm256_load_ps(q[r] + c * 8 + 8), a1);
+      // Each piece of the key widened once and used by every row at once: RB x 2 sums, one
+      // piece and the rows' query pieces (memory operands) in registers, nothing spilled.
+      __m256 a[RB][2];
+      {
+        const __m256 k0 = widen8(row), k1 = widen8(row + 8);
+        for (int r = 0; r < RB; ++r) {
+          a[r][0] = _mm256_mul_ps(k0, _mm256_load_ps(q[r]));
+          a[r][1] = _mm256_mul_ps(k1, _mm256_load_ps(q[r] + 8));
         }
-        part[r][i] = _mm256_add_ps(a0, a1);
       }
+      for (int c = 2; c < 2 * NV; c += 2) {
+        const __m256 k0 = widen8(row + c * 8), k1 = widen8(row + c * 8 + 8);
+        for (int r = 0; r < RB; ++r) {
+          a[r][0] = _mm256_fmadd_ps(k0, _mm256_load_ps(q[r] + c * 8), a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(k1, _mm256_load_ps(q[r] + c * 8 + 8), a[r][1]);
+        }
+      }
+      for (int r = 0; r < RB; ++r) part[r][i] = _mm256_add_ps(a[r][0], a[r][1]);
     }
     for (int r = 0; r < RB; ++r) _mm256_storeu_ps(score[r] + j, hsum8(part[r]));
   }
@@ -289,7 +297,14 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
       const bool* visible = tree_mask + (b * s.num_new + t0 + r / group) * s.num_new;
       block_softmax(score[r], n, j0, committed, visible, run_max[r], run_sum[r], shrink[r]);
     }
-    if constexpr (NV <= 4) {
+#if defined(__AVX512F__)
+    constexpr bool row_blocked = NV <= 4;
+#else
+    // On AVX2 a V16 is two registers, so four rows' sums of a 64-dim head are all sixteen: they
+    // spilled, and a 64-row decode's attention took 1.5x as long as one row at a time.
+    constexpr bool row_blocked = false;
+#endif
+    if constexpr (row_blocked) {
       row_blocks(rows, [&](auto rb, int64_t r) { block_values<rb.value, NV>(vbuf, n, score + r, shrink + r, acc + r); });
     } else {
       for (int64_t r = 0; r < rows; ++r) block_values<1, NV>(vbuf, n, score + r, shrink + r, acc + r);
