@@ -231,6 +231,27 @@ inline void block_softmax(float* sr, int64_t n, int64_t j0, int64_t committed, c
   run_max = new_max;
 }
 
+// The key and value rows of the unit this thread attends next (its item's slots [j_begin,
+// j_end)), prefetched into L2 while the current one runs: the cache streams from memory and a
+// unit's first block would otherwise wait for it.
+struct NextRows {
+  const char* keys = nullptr;  // the next unit's first key row (nullptr: none)
+  const char* values = nullptr;
+  int64_t count = 0;      // its rows
+  int64_t row_bytes = 0;  // a key's (and a value's) bytes
+};
+
+// Rows [from, to) of the next unit into L2, a block at a time as the current unit goes (so the
+// current unit's own streaming is not crowded out all at once).
+inline void prefetch_next(const NextRows& next, int64_t from, int64_t to) {
+  for (int64_t j = from; j < std::min(to, next.count); ++j) {
+    for (int64_t line = 0; line < next.row_bytes; line += 64) {
+      _mm_prefetch(next.keys + j * next.row_bytes + line, _MM_HINT_T1);
+      _mm_prefetch(next.values + j * next.row_bytes + line, _MM_HINT_T1);
+    }
+  }
+}
+
 // One item: new tokens [t0, t0 + tc) of row b, the heads of KV group g, over slots
 // [j_begin, j_end) of the row's committed + new ones. With partial == nullptr it writes the
 // attention output; otherwise, for a segment of the slots, each row's running maximum, sum and
@@ -243,7 +264,7 @@ struct PartialRow {
 template <typename T, int NV>
 void attend_item(const T* q, const T* keys, const T* values, const bool* tree_mask, int64_t committed,
                  const Shape& s, int64_t b, int64_t g, int64_t t0, int64_t tc, int64_t j_begin, int64_t j_end,
-                 T* out, PartialRow* partial, float* kt, float* vbuf) {
+                 T* out, PartialRow* partial, float* kt, float* vbuf, const NextRows& next) {
   constexpr int64_t block = kBlockKeys(NV), width = NV * 16;
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, rows = tc * group;
   const Mask16 tail = hd % 16 == 0 ? Mask16(0xffff) : Mask16((1u << (hd % 16)) - 1);
@@ -272,6 +293,12 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     // key rows (direct_scores); otherwise from its keys widened to float32 and transposed
     // (kt[d * block + j]). Either is done once for all of the item's rows.
     for (int64_t j = 0; j < n; ++j) {
+      // The next block's keys and values into L2 meanwhile: the cache streams from memory (into
+      // L1 instead, 16 KiB a block beside the widened values, was slower).
+      for (int64_t line = 0; j0 + block < j_end && line < hd * int64_t(sizeof(T)); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kbase + (j0 + block + j) * hd) + line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vbase + (j0 + block + j) * hd) + line, _MM_HINT_T1);
+      }
       for (int c = 0; c < NV; ++c) vstore(vbuf + j * width + c * 16, load(vbase + (j0 + j) * hd + c * 16, lanes(c)));
     }
 #if !defined(__AVX512F__)
@@ -309,6 +336,7 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
     } else {
       for (int64_t r = 0; r < rows; ++r) block_values<1, NV>(vbuf, n, score + r, shrink + r, acc + r);
     }
+    prefetch_next(next, j0 - j_begin, j0 - j_begin + n);
   }
   if (partial != nullptr) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -337,15 +365,6 @@ void attend_item(const T* q, const T* keys, const T* values, const bool* tree_ma
 // sums are kept in that order and interleaved once at the end); weights and sums stay float32.
 // Same visibility, online softmax, segments and output as attend_item.
 constexpr int64_t kBf16Block = 64;  // keys per block
-
-// The key and value rows of the unit this thread attends next (its item's slots [j_begin,
-// j_end)), prefetched into L2 while the current one runs: the cache streams from memory and a
-// unit's first block would otherwise wait for it.
-struct NextRows {
-  const uint16_t* keys = nullptr;  // the next unit's first key row (nullptr: none)
-  const uint16_t* values = nullptr;
-  int64_t count = 0;
-};
 
 template <int RB, int KC, int HD>
 inline void bf16_block_scores(const uint32_t (*qp)[HD / 2], const uint32_t* kp, float scale, float (*score)[256]) {
@@ -456,12 +475,7 @@ void attend_item_bf16(const uint16_t* q, const uint16_t* keys, const uint16_t* v
     row_blocks(rows, [&](auto rb, int64_t r) {
       bf16_block_values<rb.value, HD>(vbase + j0 * HD, n, score + r, shrink + r, acc + r, r == 0);
     });
-    for (int64_t j = j0 - j_begin; j < std::min(j0 - j_begin + n, next.count); ++j) {
-      for (int line = 0; line < HD * 2; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(next.keys + j * HD) + line, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next.values + j * HD) + line, _MM_HINT_T1);
-      }
-    }
+    prefetch_next(next, j0 - j_begin, j0 - j_begin + n);
   }
   for (int64_t r = 0; r < rows; ++r) {
     alignas(64) float natural[HD];
@@ -554,23 +568,25 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lengths, 
         }
         continue;
       }
+      NextRows next;
+      if (unit + stride < items * segments) {
+        int64_t nb, ng, nj_begin, nj_end;
+        unit_slots(unit + stride, nb, ng, nj_begin, nj_end);
+        const int64_t offset = ((nb * s.kv_heads + ng) * s.capacity + nj_begin) * s.head_dim;
+        next = {reinterpret_cast<const char*>(keys + offset), reinterpret_cast<const char*>(values + offset),
+                std::max<int64_t>(0, nj_end - nj_begin), s.head_dim * int64_t(sizeof(T))};
+      }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t> && NV % 2 == 0) {
         if (s.head_dim == NV * 16) {  // a multiple of 32
-          NextRows next;
-          if (unit + stride < items * segments) {
-            int64_t nb, ng, nj_begin, nj_end;
-            unit_slots(unit + stride, nb, ng, nj_begin, nj_end);
-            const int64_t offset = ((nb * s.kv_heads + ng) * s.capacity + nj_begin) * s.head_dim;
-            next = {keys + offset, values + offset, std::max<int64_t>(0, nj_end - nj_begin)};
-          }
           attend_item_bf16<NV * 16>(q, keys, values, tree_mask, lengths[b], s, b, g, t0, count, j_begin, j_end, out,
                                     partial, reinterpret_cast<uint32_t*>(kt), next);
           continue;
         }
       }
 #endif
-      attend_item<T, NV>(q, keys, values, tree_mask, lengths[b], s, b, g, t0, count, j_begin, j_end, out, partial, kt, vbuf);
+      attend_item<T, NV>(q, keys, values, tree_mask, lengths[b], s, b, g, t0, count, j_begin, j_end, out, partial, kt, vbuf,
+                         next);
     }
   }
   if (segments > 1) {
