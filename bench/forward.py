@@ -2,7 +2,11 @@
 
 Measures on this machine, medians of repeats:
 
-* the roofline: a STREAM-like copy (bytes read + written per second over a 1 GiB buffer);
+* the roofline: a STREAM-like copy (bytes read + written per second over a 1 GiB buffer),
+  measured per format in turn with the one-row step over five rounds; each format's fraction
+  of the roofline is the median of the rounds' step-over-roofline ratios (the bandwidth a
+  shared host leaves us moves within minutes: a copy at the start of one run read 55.8 GB/s,
+  the rounds after it 33.4), and the top-level figure is the formats' median;
 * per format (float32, bfloat16, int8, q4_1): the 1-token decode step at batch 1 on a
   256-token cache (with the compiled decode step where the format has one), forwards over
   4, 16 and 64 tree nodes as ratios to that step, batched decode steps of 16 and 64 rows
@@ -73,6 +77,26 @@ def roofline_gb_s(repeats: int) -> float:
     dst = torch.zeros_like(src)
     seconds = median_seconds(lambda: dst.copy_(src), repeats)
     return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+STEP_ROUNDS = 5
+
+
+def step_against_roofline(model: Transformer, repeats: int) -> tuple[float, float, float]:
+    """The one-row step and the copy roofline measured in turn over ``STEP_ROUNDS`` rounds:
+    (the rounds' median step in seconds, their median roofline in GB/s, and the median over
+    rounds of the step's weight bandwidth over that round's roofline). On a shared host the
+    memory bandwidth left to this machine moves by 1.5x within minutes (31.7 and 50.6 GB/s at
+    the starts of two runs here), so a roofline taken minutes before the step misreads it."""
+    bytes_per_token = weight_bytes_per_token(model)
+    steps, rooflines, fractions = [], [], []
+    for _ in range(STEP_ROUNDS):
+        roofline = roofline_gb_s(3)
+        one = step_seconds(model, 1, repeats)
+        steps.append(one)
+        rooflines.append(roofline)
+        fractions.append(bytes_per_token / one / 1e9 / roofline)
+    return statistics.median(steps), statistics.median(rooflines), statistics.median(fractions)
 
 
 def binary_tree(num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +214,7 @@ def e2e_llama_cpp(gguf: Path, prompt: list[int], threads: int, repeats: int) -> 
             "llama_cpp_prefill_ms": prefill * 1e3, "llama_cpp_version": llama_cpp.__version__}
 
 
-def measure_format(name: str, args: argparse.Namespace, roofline: float, prompts: list[list[int]],
+def measure_format(name: str, args: argparse.Namespace, prompts: list[list[int]],
                    answers: list[list[int]]) -> tuple[dict[str, Any], Transformer]:
     started = time.perf_counter()
     loaded = load_model(args.model, weight_format=name)
@@ -198,7 +222,7 @@ def measure_format(name: str, args: argparse.Namespace, roofline: float, prompts
     step = model.decode_step
     compile_s = 0.0 if step is None else (step.compile_seconds or step.load_seconds or 0.0)  # type: ignore[attr-defined]
     load_s = time.perf_counter() - started - compile_s
-    one = step_seconds(model, 1, args.repeats)
+    one, roofline, fraction = step_against_roofline(model, args.repeats)
     bytes_per_token = weight_bytes_per_token(model)
     entry: dict[str, Any] = {
         "decode_step_ms": round(one * 1e3, 2),
@@ -207,7 +231,8 @@ def measure_format(name: str, args: argparse.Namespace, roofline: float, prompts
         "batch_tok_s": {str(b): round(b / step_seconds(model, b, max(3, args.repeats // 2)), 1) for b in BATCH_SIZES},
         "weight_mb_per_token": round(bytes_per_token / 1e6, 1),
         "weight_gb_s": round(bytes_per_token / one / 1e9, 2),
-        "roofline_fraction": round(bytes_per_token / one / 1e9 / roofline, 3),
+        "roofline_gb_s": round(roofline, 1),  # measured between this format's steps
+        "roofline_fraction": round(fraction, 3),
         "agreement_with_float32": round(agreement(model, prompts, answers), 4),
         "load_s": round(load_s, 2),
         "compile_s": round(compile_s, 2),
@@ -244,18 +269,17 @@ def main() -> None:
     gguf = reference.source if reference.source.suffix == ".gguf" else None
     del reference
 
-    roofline = roofline_gb_s(args.repeats)
     result: dict[str, Any] = {
         "model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cache_length": CACHE_LENGTH, "tree_shape": "complete binary tree",
-        "roofline_gb_s": round(roofline, 1), "default_format": DEFAULT_FORMAT, "formats": {},
+        "roofline_gb_s": None, "default_format": DEFAULT_FORMAT, "formats": {},
         "agreement_prompts": len(prompts), "agreement_tokens": sum(len(a) for a in answers),
     }
     e2e: dict[str, Any] = {"prompt_tokens": E2E_PROMPT_TOKENS, "new_tokens": E2E_NEW_TOKENS, "format": DEFAULT_FORMAT,
                            "treeserve_tok_s": None, "llama_cpp_tok_s": None, "llama_cpp_decode_tok_s": None,
                            "llama_cpp_version": None}
     for name in formats:
-        entry, model = measure_format(name, args, roofline, prompts, answers)
+        entry, model = measure_format(name, args, prompts, answers)
         result["formats"][name] = entry
         if name == DEFAULT_FORMAT:
             e2e["treeserve_tok_s"] = round(e2e_treeserve(model, e2e_prompt, max(3, args.repeats // 2)), 1)
@@ -267,6 +291,8 @@ def main() -> None:
                         for k, v in e2e_llama_cpp(gguf, e2e_prompt, args.threads, max(3, args.repeats // 2)).items()})
         except ImportError as exc:
             e2e["llama_cpp_skipped"] = str(exc)
+    # The formats' rooflines, each measured in turn with its step: their median.
+    result["roofline_gb_s"] = round(statistics.median(e["roofline_gb_s"] for e in result["formats"].values()), 1)
     result["e2e"] = e2e
     if args.json:
         print(json.dumps(result, indent=1))
