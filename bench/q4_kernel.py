@@ -16,8 +16,9 @@ On a CPU where the AVX2 kernel runs, the bench first probes the cores' ceiling
 (``bench/isa_peak.cpp``): the clock, and how many ``vpmaddubsw`` (32 int8 multiply-adds each) the
 cores retire a cycle alone, beside ``vpaddsw`` and beside ``vpaddw`` (the add that accumulates
 their products), ``vpmaddwd`` and fp32 FMAs. Each row count then also reports the kernel's
-multiply-adds a second and their fraction of the ``vpmaddubsw`` + ``vpaddw`` ceiling on the
-same threads (``of_int8_peak``): what a tree or a batch can cost at best here.
+multiply-adds a second and their fraction of the ``vpmaddubsw`` + ``vpaddw`` ceiling of
+``--threads`` cores, each at one core's measured rate (``of_int8_peak``): what a tree or a batch
+can cost at best here.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ import torch
 from forward import median_seconds  # bench/ is on sys.path when this file runs as a script
 
 from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
-from treeserve.ops.kernels import q4_amx
-from treeserve.ops.kernels import cpp_build
+from treeserve.ops.kernels import cpp_build, q4_amx
 from treeserve.ops.kernels.cpp_build import cpu_flags
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -61,7 +61,7 @@ def isa_peak(threads: int) -> dict[str, Any] | None:
     per_cycle = {name: round(statistics.median(lib.ts_multiply_rate(kind, 20_000_000, 1) for _ in range(3)) / ghz / 1e9, 2)
                  for name, kind in PEAK_KINDS.items()}
     # The ceiling is every thread at one core's rate: timed together, the two vCPUs of the
-    # development VM gave anywhere from 1.25x to 2x one (another guest's load), alone a steady rate.
+    # development VM gave anywhere from 1.2x to 2x one (another guest's load), alone a steady rate.
     ceiling = threads * per_cycle["vpmaddubsw+vpaddw"] * ghz * 32
     return {"clock_ghz": round(ghz, 2), "per_core_per_cycle": per_cycle, "int8_peak_gmac_s": round(ceiling, 1)}
 

@@ -45,7 +45,7 @@ from treeserve.runtime.cluster_config import (
 from treeserve.runtime.cluster_liveness import PingJudge, Verdict
 from treeserve.runtime.cluster_registry import ClusterRegistry, NodeRecord
 from treeserve.runtime.config import ChildTransport, RestartStrategy, RuntimeConfig
-from treeserve.runtime.errors import ActorDeadError, ActorError, DeadlineExceeded, NoSuchActor
+from treeserve.runtime.errors import ActorDeadError, ActorError, DeadlineExceeded, NoSuchActor, OverloadedError
 from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.runtime import Runtime
 from treeserve.transport.sockets import is_loopback_endpoint
@@ -213,8 +213,9 @@ async def _register(registry: ActorRef, agent: ActorRef, info: dict[str, Any], t
         try:
             ack = await registry.ask(
                 "register", {"agent": agent, "info": info}, timeout=min(left, _REGISTER_ATTEMPT_S))
-        except (DeadlineExceeded, ActorDeadError, NoSuchActor) as exc:
-            # The head may not be up yet, or not be hosting its registry yet.
+        except (DeadlineExceeded, ActorDeadError, NoSuchActor, OverloadedError) as exc:
+            # The head may not be up yet, or not be hosting its registry yet, or the link to it
+            # not be up (a send with no completed connection fails as a full queue).
             last = exc
             await asyncio.sleep(min(_REGISTER_RETRY_S, max(0.0, deadline - loop.time())))
             continue

@@ -221,7 +221,7 @@ class Outbound:
             timeout_s, self._expire, msg_id, address, method)
         try:
             if not self._send(address.endpoint, frames):
-                raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
+                raise self._queue_full(address.endpoint)
             return await fut
         except asyncio.CancelledError:
             if self._pending.pop(msg_id, None) is not None:
@@ -239,7 +239,7 @@ class Outbound:
         # never registered, the answer is discarded on arrival (counted as late).
         frames = self._request(next(self._ids), address, method, body, None, is_stream=False)
         if not self._send(address.endpoint, frames):
-            raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
+            raise self._queue_full(address.endpoint)
 
     def open_stream(
         self, address: ActorAddress, method: str, body: Any, timeout_s: float | None
@@ -253,7 +253,7 @@ class Outbound:
         self._pending[msg_id] = call
         if not self._send(address.endpoint, frames):
             del self._pending[msg_id]
-            raise OverloadedError(f"cannot send to {address.endpoint}: queue full")
+            raise self._queue_full(address.endpoint)
         timer = None if timeout_s is None else loop.call_later(
             timeout_s, self._expire, msg_id, address, method)
 
@@ -292,6 +292,13 @@ class Outbound:
         timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
         request = Request(msg_id, address.name, method, body_to_wire(body), timeout_ms, is_stream)
         return encode(request, self._send_limits)
+
+    def _queue_full(self, endpoint: str) -> OverloadedError:
+        # A link whose handshake was refused takes no message (nothing completes the connection
+        # to queue behind): say why, as a deadline does.
+        refused = self._refused.get(endpoint)
+        why = "" if refused is None else f" ({refused})"
+        return OverloadedError(f"cannot send to {endpoint}: queue full{why}")
 
     def _expire(self, msg_id: int, address: ActorAddress, method: str) -> None:
         call = self._pending.pop(msg_id, None)

@@ -23,6 +23,7 @@ from treeserve.runtime.cluster import (
     spawn_on,
     start_registry,
 )
+from treeserve.runtime.outbound import Outbound
 from treeserve.testing.runtime_actors import EchoActor
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Request
@@ -106,6 +107,25 @@ async def test_a_node_the_head_does_not_admit_is_refused(curve: LinkCurve | None
     async with curve_head() as (rt, registry):
         config = dataclasses.replace(FAST_NODE, curve=curve, register_timeout_s=2.5)
         with pytest.raises(JoinError, match="refused the handshake"):
+            await asyncio.wait_for(join(rt.endpoint, node_config=config), 20)
+        assert registry.nodes == [] and registry.dropped == []
+
+
+async def test_a_full_queue_to_a_refusing_head_still_says_the_handshake_was_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send to a link whose handshake failed can find no completed connection and fail as a
+    full queue before (or instead of) timing out: the join must retry it as a link not up yet,
+    and its error must still say the handshake was refused (the race once seen in CI)."""
+    async with curve_head() as (rt, registry):
+        original = Outbound._send
+
+        def full(self: Outbound, endpoint: str, frames: list[object]) -> bool:
+            sent = original(self, endpoint, frames)  # connects, so the handshake still happens
+            return sent and endpoint != rt.endpoint
+
+        monkeypatch.setattr(Outbound, "_send", full)
+        config = dataclasses.replace(FAST_NODE, curve=None, register_timeout_s=2.5)
+        with pytest.raises(JoinError, match="queue full .*refused the handshake"):
             await asyncio.wait_for(join(rt.endpoint, node_config=config), 20)
         assert registry.nodes == [] and registry.dropped == []
 
