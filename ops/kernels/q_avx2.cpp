@@ -78,20 +78,25 @@ constexpr int64_t kQ4BlockBytes = 2 * 8 * 32;  // codes of one 32-column block f
 constexpr int64_t kPrefetchGroups = 8;
 constexpr int kQ4Rows = 4;  // rows multiplied together (their int16 sums in registers)
 
+// A group of 32 bf16 x widened to fp32 (v, exact), their largest |x| and their fp32 sum. max_ps
+// drops a NaN operand in favour of the other, so only the sum is sure to carry a NaN (or inf).
+inline void load_group(const uint16_t* x, __m256 v[4], float& amax, float& total) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) v[i] = bf16x8(x + i * 8);
+  amax = reduce_max8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+  total = reduce_add8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
 // One row's groups, as q4_amx.cpp's quantize_row: xq (K int8), d, -8 d sum(xq), and xs (the
 // exact sum of the group's x). A group whose largest |x| is under 1e-30 counts as zero in the
 // codes' term; NaN and inf rows stay non-finite through d and xs.
 void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* d, float* c8, float* xs) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < K / 32; ++g) {
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = bf16x8(x + g * 32 + i * 8);
-    const __m256 amax4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    // max_ps drops a NaN operand in favour of the other: a NaN anywhere makes the group NaN below.
-    const __m256 sum4 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-    const float amax = reduce_max8(amax4), total = reduce_add8(sum4);
+    float amax, total;
+    load_group(x + g * 32, v, amax, total);
     const bool tiny = amax < 1e-30f;
     const float scale = tiny ? 0.0f : amax / 127.0f, inverse = tiny ? 0.0f : 127.0f / amax;
     __m256i q[4];
@@ -271,15 +276,10 @@ constexpr int kQ8Rows = 2;  // rows a pass: their 2 x 4 int32 sums, the 4 widene
 // most d / 2 = 2^-15 of the largest's power of two. A group of zeros (largest |x| under 1e-30)
 // has d = 0; a non-finite group has d = NaN, so its row's outputs are NaN.
 void quantize_row16(const uint16_t* x, int64_t K, int16_t* xq, float* d) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / 32; ++g) {
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = bf16x8(x + g * 32 + i * 8);
-    const __m256 amax4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    // max_ps drops a NaN operand; the plain sum keeps it (and inf).
-    const float amax = reduce_max8(amax4);
-    const float total = reduce_add8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    float amax, total;
+    load_group(x + g * 32, v, amax, total);
     if (!std::isfinite(total) || !std::isfinite(amax) || amax < 1e-30f) {
       memset(xq + g * 32, 0, 32 * sizeof(int16_t));
       d[g] = std::isfinite(total) && std::isfinite(amax) ? 0.0f : std::numeric_limits<float>::quiet_NaN();
