@@ -331,8 +331,8 @@ def prepare_for_serving(
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
     Where the model fits :meth:`~treeserve.ops.decode_step.DecodeStep.fuse` (q4_1 on a CPU with
     AVX2 and no AVX-512) its blocks run in one C++ op instead, whatever ``compile_decode`` says:
-    nothing is compiled, and a one-row step's blocks took 3.7 ms against the compiled step's
-    5.6 on the 2-core AVX2 host (``bench/fused_step.py``).
+    nothing is compiled, and a one-row step's blocks took 4.2 ms against the compiled step's
+    5.5 on the 2-core AVX2 host (``bench/fused_step.py``).
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
     from treeserve.ops.decode_step import DecodeStep, artifact_name
