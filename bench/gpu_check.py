@@ -7,7 +7,9 @@ and measures (well under 8 minutes on one H200):
 3. the tree-attention kernel against a float64 reference on random trees (chains, wide, deep,
    64 nodes), GQA, batches with different prefixes, several splits, float32/bfloat16/float16;
 4. the kernel against SDPA under the dense mask, 16- and 64-node trees at prefixes
-   256/2048/8192 (bf16, the default model's 9/3 heads of 64);
+   256/2048/8192 (bf16, the default model's 9/3 heads of 64): per call from Python and on the
+   GPU's own clock, the kernel's host side alone, and a sweep of its launch shapes (16 or 32
+   query rows a block, 2/4/8 blocks per multiprocessor);
 5. the model on the device in float32: greedy tree speculation == incremental decoding;
 6. decode and tree-verify steps in bf16 (the tree steps with the kernel and with SDPA);
 7. ``treeserve generate`` through the whole actor system on the device (float32 tree == none,
@@ -253,7 +255,7 @@ def kernel_accuracy(device: str, kernel: Callable[..., Any], small: bool) -> dic
 # ---------------------------------------------------------------------------------------- 4
 def time_ms(fn: Callable[[], Any], device: str, *, reps: int, rounds: int = 5) -> float:
     """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls, in ms (CUDA
-    events on a GPU)."""
+    events on a GPU): the wall time a caller sees, the host's launch costs included."""
     import torch
 
     for _ in range(3):
@@ -276,6 +278,31 @@ def time_ms(fn: Callable[[], Any], device: str, *, reps: int, rounds: int = 5) -
     return sorted(results)[len(results) // 2]
 
 
+def device_ms(fn: Callable[[], Any], wall_ms: float, *, reps: int, rounds: int = 5) -> float | None:
+    """The GPU's own time per call, in ms: a spin kernel holds the stream while the host queues
+    ``reps`` calls, so the events between them time only the queued work (median of
+    ``rounds``). None where the host did not get ahead (the spin ended before the last call
+    was queued)."""
+    import torch
+
+    cycles = int((1.5 * reps * wall_ms + 5) * 2.5e6)  # ms at up to 2.5 GHz
+    results = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        if start.query():  # the spin was over before the host had queued everything
+            stop.synchronize()
+            return None
+        stop.synchronize()
+        results.append(start.elapsed_time(stop) / reps)
+    return sorted(results)[len(results) // 2]
+
+
 def kernel_timing(device: str, kernel: Callable[..., Any], small: bool) -> dict[str, Any]:
     import torch
 
@@ -286,7 +313,10 @@ def kernel_timing(device: str, kernel: Callable[..., Any], small: bool) -> dict[
         tree_mask_from_parents,
     )
 
+    from treeserve.ops.kernels.tree_attention_cuda import ROW_VARIANTS, _cupy_launch, run_tree_attention
+
     heads, kv_heads, head_dim = 9, 3, 64
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 8
     grid = [(16, 32), (64, 64)] if small else [(n, p) for n in (16, 64) for p in (256, 2048, 8192)]
     reps = 2 if small else 50
     gen = torch.Generator().manual_seed(1)
@@ -316,6 +346,21 @@ def kernel_timing(device: str, kernel: Callable[..., Any], small: bool) -> dict[
                "sdpa_dense_mask_ms": time_ms(sdpa, device, reps=reps),
                "sdpa_building_the_mask_ms": time_ms(sdpa_with_mask, device, reps=reps)}
         row["sdpa_over_kernel"] = round(row["sdpa_dense_mask_ms"] / row["kernel_ms"], 2)
+        if device.startswith("cuda"):  # where the time goes: the GPU's own, and the host's
+            row["kernel_gpu_ms"] = device_ms(ours, row["kernel_ms"], reps=reps)
+            row["sdpa_dense_mask_gpu_ms"] = device_ms(sdpa, row["sdpa_dense_mask_ms"], reps=reps)
+            row["kernel_host_ms_without_launch"] = time_ms(lambda: run_tree_attention(
+                q, k, v, lengths, bits, launch=lambda *args: None, num_sms=num_sms, max_prefix_length=prefix),
+                device, reps=reps)
+            launch = _cupy_launch(torch.device(device).index or 0)
+            for rows_per_block in ROW_VARIANTS:  # the launch shapes the kernel takes, on the GPU's own clock
+                for per_sm in (2, 4, 8):
+                    def variant() -> Any:
+                        return run_tree_attention(q, k, v, lengths, bits, launch=launch, num_sms=num_sms,
+                                                  max_prefix_length=prefix, rows=rows_per_block, blocks_per_sm=per_sm)
+
+                    row[f"gpu_ms_rows{rows_per_block}_blocks_per_sm{per_sm}"] = device_ms(variant, row["kernel_ms"],
+                                                                                        reps=reps)
         rows.append(row)
     at_issue = [r for r in rows if r["nodes"] == 64 and r["prefix"] == 2048]
     return {"ok": None, "cases": rows, "dtype": "bfloat16", "heads": [heads, kv_heads, head_dim],
@@ -565,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     report.data.update(device=device, dry_run=args.dry_run, torch=torch.__version__, python=sys.version.split()[0])
     if device.startswith("cuda"):
         report.data["gpu"] = torch.cuda.get_device_name(0)
+        from treeserve.ops.kernels.tree_attention_cuda import _driver_launch
+
+        report.data["kernel_launch"] = "cuLaunchKernel" if _driver_launch() is not None else "cupy"
         try:
             import cupy
 
@@ -602,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
             report.step("model_timing", lambda: model_timing(model_name, args, device, kernel))
         if "generate" in steps:
             report.step("generate", lambda: generate_runs(model_name, args, device, report))
+    if device.startswith("cuda"):
+        from treeserve.ops.kernels.tree_attention_cuda import LAUNCHES
+
+        report.data["kernel_launches_by_path"] = dict(LAUNCHES)  # this process's, not pytest's or the actors'
     failed = [name for name, step in report.data["steps"].items() if step.get("ok") is False]
     report.data["failed_steps"] = failed
     report.save()

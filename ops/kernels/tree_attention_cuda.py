@@ -12,33 +12,41 @@ Contract (the CPU twin is :func:`treeserve.ops.tree_attention.tree_attention_fro
 * ``ancestor_bits`` ``(B, T)`` int64 read as uint64: bit ``j`` of word ``t`` is set iff new
   token ``t`` sees new token ``j`` (itself and its ancestors; at most 64 nodes). Bit ``t`` of
   word ``t`` must be set, so that every row has a visible key;
+* ``prefix_lengths`` ``(B,)`` int64 (the cache's own lengths: nothing to convert per layer);
 * float32, bfloat16 or float16, one dtype for all three; scores, the softmax and the sums in
-  float32; returns ``(B, H, T, hd)`` in that dtype (a transposed view of ``(B, T, H, hd)``).
+  float32; returns ``(B, H, T, hd)`` in that dtype, rounded to nearest even by the kernel itself
+  (a transposed view of ``(B, T, H, hd)``).
 
 Design (flash-decoding for trees):
 
-* A block owns one KV head of one row, ``ROWS`` query rows (a query row is one new token under
-  one of the KV head's ``H / n_kv`` query heads) and one *split*, a run of the row's keys.
-  It walks its keys in tiles of ``KEYS``: loads the tile's K and V into shared memory as
-  float32, scores every (query row, key) pair, hides a key ``L + j`` from token ``t`` unless
-  bit ``j`` of ``ancestor_bits[t]`` is set, and folds the tile into running (max, sum,
-  accumulator) state with the online softmax's rescale. Nothing of size ``S`` is ever written.
+* A block owns one KV head of one row, 16 or 32 query rows (a query row is one new token under
+  one of the KV head's ``H / n_kv`` query heads; 32 for wide trees, :func:`rows_per_block`) and
+  one *split*, a run of the row's keys. It walks its keys in tiles of ``KEYS``: loads the
+  tile's K and V into shared memory as float32 (16 bytes a load where the cache is aligned),
+  scores four query rows against one key an item (float4 reads of shared memory), hides a key
+  ``L + j`` from token ``t`` unless bit ``j`` of ``ancestor_bits[t]`` is set, and folds the tile
+  into running (max, sum, accumulator) state with the online softmax's rescale, two rows by
+  four dims an item. Nothing of size ``S`` is ever written.
 * With one split the block writes the normalised output. With several (a long prefix and
-  few blocks: the host picks enough splits to fill the GPU) each writes its unnormalised
-  state, and ``tree_attention_combine`` merges the splits' states per output element.
+  few blocks: the host picks splits until the grid holds :data:`BLOCKS_PER_SM` blocks per
+  multiprocessor) each writes its unnormalised state, and ``tree_attention_combine_*``
+  merges the splits' states per output element.
 * Any ``blockDim.x`` works (every loop strides by it, and barriers are the only
   synchronisation: no warp shuffles), so a CPU shim can run this source with emulated
   threads (``tests/ops/test_tree_attention_emulated.py``).
 
-:func:`run_tree_attention` is the host side with the launcher left open (CuPy here, the CPU
-shim in the tests), so the plan, strides, workspace and combine are the same code in both.
-``cupy`` is imported only when a kernel runs on CUDA.
+:func:`run_tree_attention` is the host side with the launcher left open (the driver or CuPy
+here, the CPU shim in the tests), so the plan, strides, workspace and combine are the same code
+in both. ``cupy`` is imported only when a kernel runs on CUDA. At a verify step's sizes a call
+is bound by its host time, so the host side keeps to one allocation and one or two launches
+(bench/RESULTS.md, "On a GPU", has the figures from one H200).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +55,25 @@ import torch
 from torch import Tensor
 
 ROWS = 16
-"""Query rows per block (the kernel source's ``ROWS``)."""
+"""Query rows per block by default (the kernel source's ``ROWS``; :data:`ROW_VARIANTS` are built)."""
 KEYS = 32
 """Keys per shared-memory tile (the kernel source's ``KEYS``)."""
-THREADS_PER_BLOCK = 128
+KPAD = 4
+"""Floats of padding per key row of the K tile (the kernel source's ``KPAD``)."""
+VEC_BYTES = 16
+"""K/V tiles load this many bytes at a time where rows are aligned to it."""
+THREADS_PER_ROW = 8
+"""Threads per block per query row: a block of 16 rows runs 128 threads, one item each in the
+score and weighted-value loops at head dim 64."""
+THREADS_PER_BLOCK = THREADS_PER_ROW * ROWS
+BLOCKS_PER_SM = 4
+"""Splits are added until the grid holds about this many blocks per multiprocessor (on one H200:
+64-node trees over 2048/8192 keys took 0.058/0.180 ms at 2, 0.044/0.146 at 4; 16-node ones the
+same or better)."""
+WIDE_ROWS_FROM = 128
+"""Query rows per KV head from which a block takes 32 rows instead of 16: on one H200, a 64-node
+tree at GQA 3 (192 rows) took 0.041/0.107 ms against 0.044/0.146 over 2048/8192 keys, and a
+16-node one (48 rows) 0.030/0.055 against 0.027/0.048."""
 MAX_TREE_NODES = 64
 """New tokens per row: one 64-bit ancestor word each."""
 MAX_HEAD_DIM = 256
@@ -60,8 +83,8 @@ MIN_TILES_PER_SPLIT = 4
 against its work."""
 
 KERNEL_SOURCE = r"""
-#define ROWS 16
 #define KEYS 32
+#define KPAD 4  // k_s rows are D + KPAD floats: 16-byte aligned, and a quarter warp's rows on distinct banks
 #ifndef INFINITY  // NVRTC includes no math.h
 #define INFINITY __int_as_float(0x7f800000)
 #endif
@@ -84,41 +107,98 @@ __device__ __forceinline__ float half_bits_to_float(unsigned short x) {
     return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// float32 to the 16-bit formats' bits, rounded to nearest even as torch rounds (NaN: torch's
+// quiet NaN for bf16, a quiet NaN of the same sign for fp16).
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float x) {
+    const unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ unsigned short float_to_half_bits(float x) {
+    const unsigned int u = __float_as_uint(x);
+    const unsigned int sign = (u >> 16) & 0x8000u;
+    const unsigned int magnitude = u & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);              // nan
+    if (magnitude >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);             // >= 65520: inf
+    if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal step is 2^-24 (1024 steps = the smallest normal)
+        return (unsigned short)(sign | (unsigned int)rintf(__uint_as_float(magnitude) * 16777216.0f));
+    }
+    const unsigned int rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);  // a carry bumps the exponent
+    return (unsigned short)(sign | ((rounded - 0x38000000u) >> 13));               // rebias 127 -> 15
+}
+
+// 16 bytes, for one vector load or shared-memory access.
+struct __align__(16) F4 { float x, y, z, w; };
+struct __align__(16) U4 { unsigned int x, y, z, w; };
+
+__device__ __forceinline__ void bf16_pair(unsigned int w, float* out) {  // two bf16 in one word, low first
+    out[0] = __uint_as_float(w << 16);
+    out[1] = __uint_as_float(w & 0xffff0000u);
+}
+
+__device__ __forceinline__ void half_pair(unsigned int w, float* out) {
+    out[0] = half_bits_to_float((unsigned short)(w & 0xffffu));
+    out[1] = half_bits_to_float((unsigned short)(w >> 16));
+}
+
+// A dtype's loads (to float32), its 16-byte loads of VEC elements (p + i 16-byte aligned), and
+// its stores (from float32).
 struct LoadF32 {
     typedef float T;
+    enum { VEC = 4 };
     static __device__ __forceinline__ float at(const float* p, long long i) { return p[i]; }
+    static __device__ __forceinline__ void vec_at(const float* p, long long i, float* out) {
+        const F4 x = *(const F4*)(p + i);
+        out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
+    }
+    static __device__ __forceinline__ float store(float x) { return x; }
 };
 struct LoadBF16 {
     typedef unsigned short T;
+    enum { VEC = 8 };
     static __device__ __forceinline__ float at(const unsigned short* p, long long i) { return bf16_bits_to_float(p[i]); }
+    static __device__ __forceinline__ void vec_at(const unsigned short* p, long long i, float* out) {
+        const U4 x = *(const U4*)(p + i);
+        bf16_pair(x.x, out); bf16_pair(x.y, out + 2); bf16_pair(x.z, out + 4); bf16_pair(x.w, out + 6);
+    }
+    static __device__ __forceinline__ unsigned short store(float x) { return float_to_bf16_bits(x); }
 };
 struct LoadF16 {
     typedef unsigned short T;
+    enum { VEC = 8 };
     static __device__ __forceinline__ float at(const unsigned short* p, long long i) { return half_bits_to_float(p[i]); }
+    static __device__ __forceinline__ void vec_at(const unsigned short* p, long long i, float* out) {
+        const U4 x = *(const U4*)(p + i);
+        half_pair(x.x, out); half_pair(x.y, out + 2); half_pair(x.z, out + 4); half_pair(x.w, out + 6);
+    }
+    static __device__ __forceinline__ unsigned short store(float x) { return float_to_half_bits(x); }
 };
 
-// grid (num_splits, row_tiles * KVH, B); any blockDim.x. Dynamic shared memory: see tile_smem_bytes.
-template <class Load>
+// grid (num_splits, row_tiles * KVH, B); any blockDim.x; ROWS query rows a block (a multiple of
+// 4); D a multiple of 4. Dynamic shared memory: see tile_smem_bytes. vec: K/V rows start 16-byte
+// aligned and D is a multiple of Load::VEC, so tiles load 16 bytes at a time.
+template <class Load, int ROWS>
 __device__ __forceinline__ void tree_attention_tiles(
     const typename Load::T* __restrict__ q,          // (B, H, T, D) by the strides below
     const typename Load::T* __restrict__ k,          // (B, KVH, C, D) by the strides below
     const typename Load::T* __restrict__ v,          // same strides as k
-    const int* __restrict__ prefix_lengths,          // (B,)
+    const long long* __restrict__ prefix_lengths,    // (B,)
     const unsigned long long* __restrict__ ancestor_bits,  // (B, T)
-    float* __restrict__ out,                         // (B, T, H, D), written when num_splits == 1
+    typename Load::T* __restrict__ out,              // (B, T, H, D), written when num_splits == 1
     float* __restrict__ partial_acc,                 // (B, H, T, num_splits, D), when num_splits > 1
     float* __restrict__ partial_ml,                  // (B, H, T, num_splits, 2): running max, sum
     const long long q_sb, const long long q_sh, const long long q_st,
     const long long kv_sb, const long long kv_sh, const long long kv_ss,
     const int H, const int KVH, const int T, const int D,
-    const int tiles_per_split, const int num_splits, const float scale_log2)
+    const int tiles_per_split, const int num_splits, const float scale_log2, const int vec)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned long long* bits_s = (unsigned long long*)smem_raw;  // ROWS: the row's ancestor word
     int* t_s = (int*)(bits_s + ROWS);                            // ROWS: its new token, -1 = padding
     float* q_s = (float*)(t_s + ROWS);                           // ROWS x D, scaled by scale * log2(e)
-    float* k_s = q_s + ROWS * D;                                 // KEYS x (D + 1), padded: no bank conflicts
-    float* v_s = k_s + KEYS * (D + 1);                           // KEYS x D
+    float* k_s = q_s + ROWS * D;                                 // KEYS x (D + KPAD)
+    float* v_s = k_s + KEYS * (D + KPAD);                        // KEYS x D
     float* p_s = v_s + KEYS * D;                                 // ROWS x KEYS: scores, then weights
     float* acc_s = p_s + ROWS * KEYS;                            // ROWS x D: unnormalised output
     float* m_s = acc_s + ROWS * D;                               // ROWS: running max (log2 units)
@@ -133,10 +213,11 @@ __device__ __forceinline__ void tree_attention_tiles(
     const int nthreads = blockDim.x;
     const int G = H / KVH;
     const int num_rows = G * T;  // query rows of this KV head: row = t * G + g
-    const int L = prefix_lengths[b];
+    const int L = (int)prefix_lengths[b];
     const int num_keys = L + T;
     const int key_begin = split * tiles_per_split * KEYS;
     const int key_end = min(num_keys, key_begin + tiles_per_split * KEYS);
+    const int KD = D + KPAD;
 
     for (int r = tid; r < ROWS; r += nthreads) {
         const int row = row0 + r;
@@ -161,62 +242,100 @@ __device__ __forceinline__ void tree_attention_tiles(
     for (int tile = key_begin; tile < key_end; tile += KEYS) {
         __syncthreads();  // the last tile's readers are done (and the setup above is published)
         const int n = min(KEYS, key_end - tile);
-        for (int i = tid; i < KEYS * D; i += nthreads) {
-            const int j = i / D, d = i % D;
-            float kx = 0.0f, vx = 0.0f;
-            if (j < n) {
-                const long long at = (long long)(tile + j) * kv_ss + d;
-                kx = Load::at(k_base, at);
-                vx = Load::at(v_base, at);
+        if (vec) {  // 16 bytes of K and of V per item: several loads in flight per thread
+            const int pieces = D / Load::VEC;
+            for (int i = tid; i < KEYS * pieces; i += nthreads) {
+                const int j = i / pieces, d0 = (i % pieces) * Load::VEC;
+                float kx[Load::VEC], vx[Load::VEC];
+                if (j < n) {
+                    const long long at = (long long)(tile + j) * kv_ss + d0;
+                    Load::vec_at(k_base, at, kx);
+                    Load::vec_at(v_base, at, vx);
+                } else {
+                    for (int e = 0; e < Load::VEC; ++e) kx[e] = vx[e] = 0.0f;
+                }
+                for (int e = 0; e < Load::VEC; ++e) {
+                    k_s[j * KD + d0 + e] = kx[e];
+                    v_s[j * D + d0 + e] = vx[e];
+                }
             }
-            k_s[j * (D + 1) + d] = kx;
-            v_s[j * D + d] = vx;
+        } else {
+            for (int i = tid; i < KEYS * D; i += nthreads) {
+                const int j = i / D, d = i % D;
+                float kx = 0.0f, vx = 0.0f;
+                if (j < n) {
+                    const long long at = (long long)(tile + j) * kv_ss + d;
+                    kx = Load::at(k_base, at);
+                    vx = Load::at(v_base, at);
+                }
+                k_s[j * KD + d] = kx;
+                v_s[j * D + d] = vx;
+            }
         }
         __syncthreads();
-        // Scores: committed keys are visible to every row, key L + j to token t iff bit j of its word.
-        for (int i = tid; i < ROWS * KEYS; i += nthreads) {
-            const int r = i / KEYS, j = i % KEYS, key = tile + j;
-            const bool visible = j < n && t_s[r] >= 0 && (key < L || ((bits_s[r] >> (key - L)) & 1ull));
-            float score = -INFINITY;
-            if (visible) {
-                const float* qr = q_s + r * D;
-                const float* kr = k_s + j * (D + 1);
-                float dot = 0.0f;
-                for (int d = 0; d < D; ++d) dot += qr[d] * kr[d];
-                score = dot;
+        // Scores, four rows by one key an item (a warp's keys share its rows' queries).
+        // Committed keys are visible to every row, key L + j to token t iff bit j of its word.
+        for (int i = tid; i < (ROWS / 4) * KEYS; i += nthreads) {
+            const int r0 = (i / KEYS) * 4, j = i % KEYS, key = tile + j;
+            const float* kr = k_s + j * KD;
+            const float* qr = q_s + r0 * D;
+            float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int d = 0; d < D; d += 4) {
+                const F4 kk = *(const F4*)(kr + d);
+                for (int u = 0; u < 4; ++u) {
+                    const F4 qq = *(const F4*)(qr + u * D + d);
+                    dot[u] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+                }
             }
-            p_s[i] = score;
+            for (int u = 0; u < 4; ++u) {
+                const int r = r0 + u;
+                const bool visible = j < n && t_s[r] >= 0 && (key < L || ((bits_s[r] >> (key - L)) & 1ull));
+                p_s[r * KEYS + j] = visible ? dot[u] : -INFINITY;
+            }
         }
         __syncthreads();
-        // Online softmax: fold the tile into each row's running max and sum.
+        // Online softmax: each row's new running max and the rescale of what it holds.
         for (int r = tid; r < ROWS; r += nthreads) {
-            float* pr = p_s + r * KEYS;
+            const float* pr = p_s + r * KEYS;
             float tile_max = -INFINITY;
             for (int j = 0; j < KEYS; ++j) tile_max = fmaxf(tile_max, pr[j]);
             const float m_old = m_s[r];
             const float m_new = fmaxf(m_old, tile_max);
-            float alpha = 1.0f, sum = 0.0f;
-            if (m_new == -INFINITY) {  // nothing visible yet: keep the state, add nothing
-                for (int j = 0; j < KEYS; ++j) pr[j] = 0.0f;
-            } else {
-                alpha = exp2f(m_old - m_new);  // 0 while m_old is -inf
-                for (int j = 0; j < KEYS; ++j) {
-                    const float p = exp2f(pr[j] - m_new);  // hidden keys: exp2(-inf) = 0
-                    pr[j] = p;
-                    sum += p;
-                }
-            }
             m_s[r] = m_new;
-            l_s[r] = l_s[r] * alpha + sum;
-            alpha_s[r] = alpha;
+            alpha_s[r] = m_new == -INFINITY ? 1.0f : exp2f(m_old - m_new);  // 0 while m_old is -inf
         }
         __syncthreads();
-        for (int i = tid; i < ROWS * D; i += nthreads) {  // each thread owns its acc_s elements
-            const int r = i / D, d = i % D;
-            const float* pr = p_s + r * KEYS;
-            float acc = acc_s[i] * alpha_s[r];
-            for (int j = 0; j < n; ++j) acc += pr[j] * v_s[j * D + d];
-            acc_s[i] = acc;
+        for (int i = tid; i < ROWS * KEYS; i += nthreads) {  // weights; hidden keys: exp2(-inf) = 0
+            const float m = m_s[i / KEYS];
+            p_s[i] = m == -INFINITY ? 0.0f : exp2f(p_s[i] - m);  // nothing visible yet: add nothing
+        }
+        __syncthreads();
+        // Weighted values, two rows by four dims an item (each owns its acc_s elements); the
+        // item at dims 0..3 also adds its rows' weights to their running sums.
+        for (int i = tid; i < (ROWS / 2) * (D / 4); i += nthreads) {
+            const int r0 = (i / (D / 4)) * 2, d0 = (i % (D / 4)) * 4;
+            const float* w0 = p_s + r0 * KEYS;
+            const float* w1 = w0 + KEYS;
+            float* a0 = acc_s + r0 * D + d0;
+            float* a1 = a0 + D;
+            const float alpha0 = alpha_s[r0], alpha1 = alpha_s[r0 + 1];
+            float x0 = a0[0] * alpha0, y0 = a0[1] * alpha0, z0 = a0[2] * alpha0, u0 = a0[3] * alpha0;
+            float x1 = a1[0] * alpha1, y1 = a1[1] * alpha1, z1 = a1[2] * alpha1, u1 = a1[3] * alpha1;
+            float sum0 = 0.0f, sum1 = 0.0f;
+            for (int j = 0; j < n; ++j) {
+                const F4 vv = *(const F4*)(v_s + j * D + d0);
+                const float p0 = w0[j], p1 = w1[j];
+                sum0 += p0;
+                sum1 += p1;
+                x0 += p0 * vv.x; y0 += p0 * vv.y; z0 += p0 * vv.z; u0 += p0 * vv.w;
+                x1 += p1 * vv.x; y1 += p1 * vv.y; z1 += p1 * vv.z; u1 += p1 * vv.w;
+            }
+            a0[0] = x0; a0[1] = y0; a0[2] = z0; a0[3] = u0;
+            a1[0] = x1; a1[1] = y1; a1[2] = z1; a1[3] = u1;
+            if (d0 == 0) {
+                l_s[r0] = l_s[r0] * alpha0 + sum0;
+                l_s[r0 + 1] = l_s[r0 + 1] * alpha1 + sum1;
+            }
         }
     }
     __syncthreads();
@@ -225,7 +344,7 @@ __device__ __forceinline__ void tree_attention_tiles(
         if (row >= num_rows) continue;
         const int t = row / G, h = kvh * G + row % G;
         if (num_splits == 1) {
-            out[(((long long)b * T + t) * H + h) * D + d] = acc_s[i] / l_s[r];
+            out[(((long long)b * T + t) * H + h) * D + d] = Load::store(acc_s[i] / l_s[r]);
         } else {
             const long long state = (((long long)b * H + h) * T + t) * num_splits + split;
             partial_acc[state * D + d] = acc_s[i];
@@ -237,25 +356,30 @@ __device__ __forceinline__ void tree_attention_tiles(
     }
 }
 
-#define TREE_ATTENTION_ENTRY(NAME, LOAD)                                                          \
+#define TREE_ATTENTION_ENTRY(NAME, LOAD, ROWS)                                                    \
 extern "C" __global__ void NAME(                                                                  \
-    const LOAD::T* q, const LOAD::T* k, const LOAD::T* v, const int* prefix_lengths,              \
-    const unsigned long long* ancestor_bits, float* out, float* partial_acc, float* partial_ml,   \
+    const LOAD::T* q, const LOAD::T* k, const LOAD::T* v, const long long* prefix_lengths,        \
+    const unsigned long long* ancestor_bits, LOAD::T* out, float* partial_acc, float* partial_ml, \
     long long q_sb, long long q_sh, long long q_st, long long kv_sb, long long kv_sh, long long kv_ss, \
-    int H, int KVH, int T, int D, int tiles_per_split, int num_splits, float scale_log2) {        \
-    tree_attention_tiles<LOAD>(q, k, v, prefix_lengths, ancestor_bits, out, partial_acc, partial_ml, \
-        q_sb, q_sh, q_st, kv_sb, kv_sh, kv_ss, H, KVH, T, D, tiles_per_split, num_splits, scale_log2); \
+    int H, int KVH, int T, int D, int tiles_per_split, int num_splits, float scale_log2, int vec) { \
+    tree_attention_tiles<LOAD, ROWS>(q, k, v, prefix_lengths, ancestor_bits, out, partial_acc,    \
+        partial_ml, q_sb, q_sh, q_st, kv_sb, kv_sh, kv_ss, H, KVH, T, D, tiles_per_split,         \
+        num_splits, scale_log2, vec);                                                             \
 }
 
-TREE_ATTENTION_ENTRY(tree_attention_f32, LoadF32)
-TREE_ATTENTION_ENTRY(tree_attention_bf16, LoadBF16)
-TREE_ATTENTION_ENTRY(tree_attention_f16, LoadF16)
+TREE_ATTENTION_ENTRY(tree_attention_f32_r16, LoadF32, 16)
+TREE_ATTENTION_ENTRY(tree_attention_bf16_r16, LoadBF16, 16)
+TREE_ATTENTION_ENTRY(tree_attention_f16_r16, LoadF16, 16)
+TREE_ATTENTION_ENTRY(tree_attention_f32_r32, LoadF32, 32)
+TREE_ATTENTION_ENTRY(tree_attention_bf16_r32, LoadBF16, 32)
+TREE_ATTENTION_ENTRY(tree_attention_f16_r32, LoadF16, 32)
 
 // Merge the splits' states: one thread per output element (b, t, h, d), any grid.
-extern "C" __global__ void tree_attention_combine(
+template <class Load>
+__device__ __forceinline__ void combine_splits(
     const float* __restrict__ partial_acc,  // (B, H, T, num_splits, D)
     const float* __restrict__ partial_ml,   // (B, H, T, num_splits, 2)
-    float* __restrict__ out,                // (B, T, H, D)
+    typename Load::T* __restrict__ out,     // (B, T, H, D)
     const int H, const int T, const int D, const int num_splits, const long long total)
 {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -274,15 +398,28 @@ extern "C" __global__ void tree_attention_combine(
             numerator += w * partial_acc[(state0 + s) * D + d];
             denominator += w * partial_ml[(state0 + s) * 2 + 1];
         }
-        out[((b * T + t) * H + h) * D + d] = numerator / denominator;
+        out[((b * T + t) * H + h) * D + d] = Load::store(numerator / denominator);
     }
 }
+
+#define COMBINE_ENTRY(NAME, LOAD)                                                                 \
+extern "C" __global__ void NAME(const float* partial_acc, const float* partial_ml, LOAD::T* out, \
+                                int H, int T, int D, int num_splits, long long total) {           \
+    combine_splits<LOAD>(partial_acc, partial_ml, out, H, T, D, num_splits, total);              \
+}
+
+COMBINE_ENTRY(tree_attention_combine_f32, LoadF32)
+COMBINE_ENTRY(tree_attention_combine_bf16, LoadBF16)
+COMBINE_ENTRY(tree_attention_combine_f16, LoadF16)
 """
 
-KERNEL_NAMES = ("tree_attention_f32", "tree_attention_bf16", "tree_attention_f16", "tree_attention_combine")
+ROW_VARIANTS = (16, 32)
+"""Query rows a block, one kernel build each (the source's ``ROWS``)."""
+KERNEL_NAMES = tuple(f"tree_attention_{dtype}_r{rows}" for rows in ROW_VARIANTS for dtype in DTYPES.values()) + tuple(
+    f"tree_attention_combine_{dtype}" for dtype in DTYPES.values())
 
 PTR, I32, I64, F32 = "ptr", "i32", "i64", "f32"
-TILE_SIGNATURE = (PTR,) * 8 + (I64,) * 6 + (I32,) * 6 + (F32,)
+TILE_SIGNATURE = (PTR,) * 8 + (I64,) * 6 + (I32,) * 6 + (F32, I32)
 COMBINE_SIGNATURE = (PTR,) * 3 + (I32,) * 4 + (I64,)
 COMBINE_THREADS = 256
 
@@ -293,9 +430,10 @@ pairs: a kind of :data:`PTR` takes a tensor (its ``data_ptr``), the others a num
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """How one call is cut into blocks: ``row_tiles`` blocks of :data:`ROWS` query rows per KV
-    head and row, each of ``num_splits`` splits walking ``tiles_per_split`` key tiles."""
+    """How one call is cut into blocks: ``row_tiles`` blocks of ``rows`` query rows per KV head
+    and row, each of ``num_splits`` splits walking ``tiles_per_split`` key tiles."""
 
+    rows: int
     row_tiles: int
     num_splits: int
     tiles_per_split: int
@@ -305,26 +443,43 @@ class LaunchPlan:
 
 
 def plan_launch(batch: int, heads: int, kv_heads: int, num_new: int, max_keys: int, *, num_sms: int,
-                num_splits: int | None = None) -> LaunchPlan:
-    """The launch for rows of up to ``max_keys`` keys (longest prefix + ``num_new``): splits keys
-    until the grid holds about two blocks per multiprocessor (``num_sms``), each split walking
-    at least :data:`MIN_TILES_PER_SPLIT` tiles; ``num_splits`` forces a count (tests)."""
-    row_tiles = -(-(heads // kv_heads) * num_new // ROWS)
+                num_splits: int | None = None, rows: int = ROWS, blocks_per_sm: int = BLOCKS_PER_SM) -> LaunchPlan:
+    """The launch for rows of up to ``max_keys`` keys (longest prefix + ``num_new``) in blocks of
+    ``rows`` query rows: splits keys until the grid holds about ``blocks_per_sm`` blocks per
+    multiprocessor (``num_sms``), each split walking at least :data:`MIN_TILES_PER_SPLIT`
+    tiles; ``num_splits`` forces a count (tests)."""
+    if rows not in ROW_VARIANTS:
+        raise ValueError(f"blocks of {rows} query rows are not built; the kernels take {ROW_VARIANTS}")
+    row_tiles = -(-(heads // kv_heads) * num_new // rows)
     num_tiles = -(-max_keys // KEYS)
     if num_splits is None:
         blocks = row_tiles * kv_heads * batch
-        wanted = -(-2 * num_sms // blocks)
+        wanted = -(-blocks_per_sm * num_sms // blocks)
         num_splits = max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT))
     num_splits = max(1, min(num_splits, num_tiles))
     tiles_per_split = -(-num_tiles // num_splits)
     num_splits = -(-num_tiles // tiles_per_split)  # no split left without a tile
-    return LaunchPlan(row_tiles, num_splits, tiles_per_split)
+    return LaunchPlan(rows, row_tiles, num_splits, tiles_per_split)
 
 
-def tile_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one tile kernel block (the kernel's layout)."""
-    floats = ROWS * head_dim + KEYS * (head_dim + 1) + KEYS * head_dim + ROWS * KEYS + ROWS * head_dim + 3 * ROWS
-    return ROWS * 8 + ROWS * 4 + floats * 4
+def rows_per_block(query_rows: int) -> int:
+    """The block's query rows for ``query_rows`` rows per KV head (new tokens x query heads per
+    KV head): 32 from :data:`WIDE_ROWS_FROM` on, else :data:`ROWS`."""
+    return max(ROW_VARIANTS) if query_rows >= WIDE_ROWS_FROM else ROWS
+
+
+def tile_smem_bytes(head_dim: int, rows: int = ROWS) -> int:
+    """Dynamic shared memory of one tile kernel block of ``rows`` query rows (the kernel's layout)."""
+    floats = rows * head_dim + KEYS * (head_dim + KPAD) + KEYS * head_dim + rows * KEYS + rows * head_dim + 3 * rows
+    return rows * 8 + rows * 4 + floats * 4
+
+
+def loads_vectors(k: Tensor, v: Tensor) -> bool:
+    """Whether the kernel can load K/V :data:`VEC_BYTES` at a time: both start aligned to it
+    and every row, head and batch stride (and the head dim) is a whole number of such loads."""
+    per_load = VEC_BYTES // k.element_size()
+    return (k.data_ptr() % VEC_BYTES == 0 and v.data_ptr() % VEC_BYTES == 0
+            and all(n % per_load == 0 for n in (k.shape[3], k.stride(0), k.stride(1), k.stride(2))))
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancestor_bits: Tensor) -> None:
@@ -341,8 +496,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancest
         raise ValueError(f"q, k and v must share one dtype of {sorted(map(str, DTYPES))}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not 1 <= num_new <= MAX_TREE_NODES:
         raise ValueError(f"the kernel takes 1 to {MAX_TREE_NODES} new tokens per row, got {num_new}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM or head_dim % 4:
+        raise ValueError(f"head_dim must be a multiple of 4 and <= {MAX_HEAD_DIM}, got {head_dim}")
     if q.stride(3) != 1 or k.stride(3) != 1 or k.stride() != v.stride():
         raise ValueError("q, k and v need a contiguous head dim, and k and v one set of strides")
     if ancestor_bits.shape != (batch, num_new) or ancestor_bits.dtype != torch.int64:
@@ -354,13 +509,15 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancest
 
 def run_tree_attention(
     q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancestor_bits: Tensor, *, launch: Launch,
-    num_sms: int, max_prefix_length: int | None = None, num_splits: int | None = None,
-    threads_per_block: int = THREADS_PER_BLOCK,
+    num_sms: int, max_prefix_length: int | None = None, num_splits: int | None = None, rows: int | None = None,
+    blocks_per_sm: int = BLOCKS_PER_SM, threads_per_block: int | None = None,
 ) -> Tensor:
     """The host side of the kernel on ``launch`` (CuPy, or the tests' CPU shim): checks, plan,
     workspace, the tile kernel and, with several splits, the combine. See the module docstring
     for the contract. ``max_prefix_length`` (the longest ``prefix_lengths``, when the caller
-    knows it) spares a device-to-host read."""
+    knows it) spares a device-to-host read; ``rows`` (default :func:`rows_per_block`),
+    ``blocks_per_sm`` and ``threads_per_block`` (default :data:`THREADS_PER_ROW` a row) shape
+    the launch."""
     check_inputs(q, k, v, prefix_lengths, ancestor_bits)
     batch, heads, num_new, head_dim = q.shape
     kv_heads, capacity = k.shape[1], k.shape[2]
@@ -368,27 +525,32 @@ def run_tree_attention(
         max_prefix_length = int(prefix_lengths.max())
     if max_prefix_length + num_new > capacity:
         raise ValueError(f"k/v hold {capacity} slots but a prefix of {max_prefix_length} and {num_new} new tokens need more")
+    if rows is None:
+        rows = rows_per_block(heads // kv_heads * num_new)
     plan = plan_launch(batch, heads, kv_heads, num_new, max_prefix_length + num_new, num_sms=num_sms,
-                       num_splits=num_splits)
-    lengths = prefix_lengths.to(device=q.device, dtype=torch.int32).contiguous()
+                       num_splits=num_splits, rows=rows, blocks_per_sm=blocks_per_sm)
+    lengths = prefix_lengths.to(device=q.device, dtype=torch.int64).contiguous()  # the cache's own: no copy
     bits = ancestor_bits.to(q.device).contiguous()
-    out = torch.empty((batch, num_new, heads, head_dim), dtype=torch.float32, device=q.device)  # (B, T, H, hd)
-    states = batch * heads * num_new * plan.num_splits
+    out = torch.empty((batch, num_new, heads, head_dim), dtype=q.dtype, device=q.device)  # (B, T, H, hd)
     many = plan.num_splits > 1
-    partial_acc = torch.empty((states * head_dim,) if many else (1,), dtype=torch.float32, device=q.device)
-    partial_ml = torch.empty((states * 2,) if many else (1,), dtype=torch.float32, device=q.device)
+    if many:
+        states = batch * heads * num_new * plan.num_splits
+        partial_acc = torch.empty((states * head_dim,), dtype=torch.float32, device=q.device)
+        partial_ml = torch.empty((states * 2,), dtype=torch.float32, device=q.device)
+    else:
+        partial_acc = partial_ml = out  # not read or written with one split
     values = (q, k, v, lengths, bits, out, partial_acc, partial_ml,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               heads, kv_heads, num_new, head_dim, plan.tiles_per_split, plan.num_splits,
-              head_dim ** -0.5 * math.log2(math.e))
-    launch(f"tree_attention_{DTYPES[q.dtype]}", plan.grid(batch, kv_heads), threads_per_block,
-           tile_smem_bytes(head_dim), tuple(zip(TILE_SIGNATURE, values)))
+              head_dim ** -0.5 * math.log2(math.e), int(loads_vectors(k, v)))
+    launch(f"tree_attention_{DTYPES[q.dtype]}_r{rows}", plan.grid(batch, kv_heads),
+           threads_per_block or THREADS_PER_ROW * rows, tile_smem_bytes(head_dim, rows), tuple(zip(TILE_SIGNATURE, values)))
     if many:
         total = batch * num_new * heads * head_dim
         blocks = min(-(-total // COMBINE_THREADS), 4 * num_sms)
-        launch("tree_attention_combine", (blocks, 1, 1), COMBINE_THREADS, 0, tuple(zip(
+        launch(f"tree_attention_combine_{DTYPES[q.dtype]}", (blocks, 1, 1), COMBINE_THREADS, 0, tuple(zip(
             COMBINE_SIGNATURE, (partial_acc, partial_ml, out, heads, num_new, head_dim, plan.num_splits, total))))
-    return out.to(q.dtype).transpose(1, 2)  # (B, H, T, hd)
+    return out.transpose(1, 2)  # (B, H, T, hd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -401,29 +563,103 @@ def _cupy_kernels(device_index: int) -> dict[str, Any]:
         return {name: module.get_function(name) for name in KERNEL_NAMES}
 
 
+LAUNCHES = {"driver": 0, "cupy": 0}
+"""Kernel launches so far in this process, by path (what the GPU check reports)."""
+PACKING = {PTR: "Q", I32: "i", I64: "q", F32: "f"}
+"""``struct`` codes of the kernels' parameters: native alignment lays them out as CUDA does."""
+
+
 @functools.lru_cache(maxsize=None)
-def _cupy_launch(device: torch.device) -> Launch:
-    """The CuPy launcher of one device (kept: the model calls it once per layer)."""
+def _driver_launch() -> Callable[..., int] | None:
+    """``cuLaunchKernel`` from the driver library, or None where it cannot be loaded."""
+    import ctypes
+
+    try:
+        function = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    function.restype = ctypes.c_int
+    return function
+
+
+def _function_handle(kernel: Any) -> int | None:
+    """The ``CUfunction`` of a CuPy kernel (a ``RawKernel`` holds it in ``.kernel``; a
+    ``Function`` is it), or None where this CuPy does not show it."""
+    for candidate in (kernel, getattr(kernel, "kernel", None)):
+        ptr = getattr(candidate, "ptr", None)
+        if isinstance(ptr, int) and ptr:
+            return ptr
+    return None
+
+
+def _current_stream(device_index: int) -> int:
+    """The handle of torch's current stream on a device (the raw getter inductor's code calls,
+    where this torch has it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(raw(device_index)) if raw is not None else int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_launch(device_index: int) -> Launch:
+    """The launcher of one device (kept: the model calls it once per layer, and at these sizes
+    what a call costs on the host is most of what it costs). CuPy compiles and loads the
+    kernels; the launch itself goes straight to the driver with the parameters packed into one
+    buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``), which costs a few microseconds against the tens
+    that CuPy's per-argument conversion takes. Without the driver library, CuPy launches."""
+    import ctypes
+    import struct
+
     import cupy
     import numpy
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernels = _cupy_kernels(index)
-    # A pointer parameter is 8 bytes passed by value: CuPy packs a uint64 scalar as exactly
-    # that, with none of the per-call cost of wrapping torch's memory in a cupy array.
-    converters = {PTR: lambda tensor: numpy.uint64(tensor.data_ptr()), I32: numpy.int32, I64: numpy.int64,
-                  F32: numpy.float32}
+    kernels = _cupy_kernels(device_index)
+    device = cupy.cuda.Device(device_index)
+    launch_kernel = _driver_launch()
+    handles = {name: _function_handle(kernel) for name, kernel in kernels.items()}
+    packers: dict[tuple[str, ...], struct.Struct] = {
+        signature: struct.Struct("@" + "".join(PACKING[kind] for kind in signature))
+        for signature in (TILE_SIGNATURE, COMBINE_SIGNATURE)}
+    streams: dict[int, Any] = {}  # torch's stream handle -> its CuPy wrapper (the CuPy path)
+    converters: dict[str, Callable[[Any], Any]] = {
+        PTR: lambda tensor: numpy.uint64(tensor.data_ptr()), I32: numpy.int32, I64: numpy.int64, F32: numpy.float32}
 
     def launch(name: str, grid: tuple[int, int, int], threads: int, shared_bytes: int,
                args: Sequence[tuple[str, Any]]) -> None:
         kernel = kernels[name]
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-        with cupy.cuda.Device(index), stream:
-            if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+        if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+            with device:
                 kernel.max_dynamic_shared_size_bytes = shared_bytes  # opt in above the default 48 KiB
+        handle = _current_stream(device_index)
+        function = handles[name]
+        if launch_kernel is not None and function is not None:
+            signature = tuple(kind for kind, _ in args)
+            params = ctypes.create_string_buffer(packers[signature].pack(
+                *(value.data_ptr() if kind == PTR else value for kind, value in args)))
+            size = ctypes.c_size_t(ctypes.sizeof(params) - 1)  # without create_string_buffer's NUL
+            extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(params), 2, ctypes.addressof(size), 0)
+            status = launch_kernel(function, *grid, threads, 1, 1, shared_bytes, handle, None, extra)
+            if status == 0:
+                LAUNCHES["driver"] += 1
+                return
+            # Refused before it ran (a driver that does not take this launch form): warn once
+            # and let CuPy launch this kernel from now on.
+            warnings.warn(f"cuLaunchKernel({name}) returned CUresult {status}; CuPy launches it instead",
+                          RuntimeWarning, stacklevel=2)
+            handles[name] = None
+        LAUNCHES["cupy"] += 1
+        stream = streams.get(handle)
+        if stream is None:
+            stream = streams[handle] = cupy.cuda.ExternalStream(handle)
+        with device, stream:
             kernel(grid, (threads,), tuple(converters[kind](value) for kind, value in args), shared_mem=shared_bytes)
 
     return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 def tree_attention_cuda(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor, ancestor_bits: Tensor, *,
@@ -431,6 +667,6 @@ def tree_attention_cuda(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor,
     """Tree attention on CUDA tensors with the CuPy kernels; see the module docstring."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError("tree_attention_cuda needs CUDA tensors")
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return run_tree_attention(q, k, v, prefix_lengths, ancestor_bits, launch=_cupy_launch(q.device), num_sms=num_sms,
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return run_tree_attention(q, k, v, prefix_lengths, ancestor_bits, launch=_cupy_launch(index), num_sms=_num_sms(index),
                               max_prefix_length=max_prefix_length, num_splits=num_splits)

@@ -94,7 +94,7 @@ def test_model_tree_forward_runs_the_kernel_on_cuda(shim: Any, tiny_model_factor
     monkeypatch.setattr(tree_attention_cuda, "tree_attention_cuda", kernel_on_cpu)
     monkeypatch.setattr(model_module, "build_attention_mask", mask_only_for_chains)
     got = tree_step_logits(model, dtype)
-    assert calls.count(f"tree_attention_{tree_attention_cuda.DTYPES[dtype]}") == model.config.num_layers
+    assert calls.count(f"tree_attention_{tree_attention_cuda.DTYPES[dtype]}_r{tree_attention_cuda.ROWS}") == model.config.num_layers
     if dtype == torch.float32:
         assert (got - expected).abs().max().item() < 1e-4
     else:  # bf16 rounds differently in each path: as close to float32 as SDPA's bf16 is

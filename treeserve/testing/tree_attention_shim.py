@@ -38,8 +38,11 @@ alignas(16) static unsigned char g_smem[1 << 18];
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __align__(n) alignas(n)
 #define __syncthreads() g_barrier->arrive_and_wait()
 static inline float __uint_as_float(unsigned int x) { float f; std::memcpy(&f, &x, sizeof f); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int x; std::memcpy(&x, &f, sizeof x); return x; }
+using std::rintf;
 
 // Every thread walks every block in order; a barrier ends each block, so shared memory is
 // never touched by two blocks at once.
@@ -65,20 +68,20 @@ TILE_WRAPPER = r"""
 extern "C" void launch_NAME(int gx, int gy, int gz, int nt, void* q, void* k, void* v, void* lengths, void* bits,
                             void* out, void* pacc, void* pml, long long a0, long long a1, long long a2,
                             long long a3, long long a4, long long a5, int H, int KVH, int T, int D, int tps, int ns,
-                            float scale) {
+                            float scale, int vec) {
   run_grid(gx, gy, gz, nt, [&] {
-    NAME((const LOAD::T*)q, (const LOAD::T*)k, (const LOAD::T*)v, (const int*)lengths,
-         (const unsigned long long*)bits, (float*)out, (float*)pacc, (float*)pml, a0, a1, a2, a3, a4, a5,
-         H, KVH, T, D, tps, ns, scale);
+    NAME((const LOAD::T*)q, (const LOAD::T*)k, (const LOAD::T*)v, (const long long*)lengths,
+         (const unsigned long long*)bits, (LOAD::T*)out, (float*)pacc, (float*)pml, a0, a1, a2, a3, a4, a5,
+         H, KVH, T, D, tps, ns, scale, vec);
   });
 }
 """
 
 COMBINE_WRAPPER = r"""
-extern "C" void launch_tree_attention_combine(int gx, int gy, int gz, int nt, void* pacc, void* pml, void* out,
-                                              int H, int T, int D, int ns, long long total) {
+extern "C" void launch_NAME(int gx, int gy, int gz, int nt, void* pacc, void* pml, void* out,
+                            int H, int T, int D, int ns, long long total) {
   run_grid(gx, gy, gz, nt, [&] {
-    tree_attention_combine((const float*)pacc, (const float*)pml, (float*)out, H, T, D, ns, total);
+    NAME((const float*)pacc, (const float*)pml, (LOAD::T*)out, H, T, D, ns, total);
   });
 }
 """
@@ -87,21 +90,29 @@ CONVERSIONS = r"""
 extern "C" void convert_16_bits(const unsigned short* in, float* out, int n, int kind) {
   for (int i = 0; i < n; ++i) out[i] = kind == 0 ? bf16_bits_to_float(in[i]) : half_bits_to_float(in[i]);
 }
+
+extern "C" void store_16_bits(const float* in, unsigned short* out, int n, int kind) {
+  for (int i = 0; i < n; ++i) out[i] = kind == 0 ? float_to_bf16_bits(in[i]) : float_to_half_bits(in[i]);
+}
 """
 
-LOADS = {"tree_attention_f32": "LoadF32", "tree_attention_bf16": "LoadBF16", "tree_attention_f16": "LoadF16"}
+LOAD_OF = {"f32": "LoadF32", "bf16": "LoadBF16", "f16": "LoadF16"}
+LOADS = {name: LOAD_OF[name.split("_")[2]] for name in KERNEL_NAMES if "_combine_" not in name}
+COMBINES = {name: LOAD_OF[name.split("_")[3]] for name in KERNEL_NAMES if "_combine_" in name}
 CTYPES = {PTR: ctypes.c_void_p, I32: ctypes.c_int, I64: ctypes.c_longlong, F32: ctypes.c_float}
 
 
 def shim_source(kernel_source: str = KERNEL_SOURCE) -> str:
     """The C++ translation unit: shim, kernel source (shared memory mapped to the static
-    buffer), one ``launch_<kernel>`` per kernel, and ``convert_16_bits(in, out, n, kind)``
-    (the kernel's bf16 (kind 0) and fp16 (kind 1) loads over ``n`` bit patterns)."""
+    buffer), one ``launch_<kernel>`` per kernel, ``convert_16_bits(in, out, n, kind)`` (the kernel's bf16
+    (kind 0) and fp16 (kind 1) loads over ``n`` bit patterns) and ``store_16_bits(in, out, n,
+    kind)`` (its stores of ``n`` floats)."""
     if SHARED_DECLARATION not in kernel_source:
         raise ValueError(f"the kernel source no longer declares {SHARED_DECLARATION!r}: update the shim")
     body = kernel_source.replace(SHARED_DECLARATION, "unsigned char* smem_raw = g_smem;")
     wrappers = "".join(TILE_WRAPPER.replace("NAME", name).replace("LOAD", load) for name, load in LOADS.items())
-    return SHIM_HEAD + body + wrappers + COMBINE_WRAPPER + CONVERSIONS
+    wrappers += "".join(COMBINE_WRAPPER.replace("NAME", name).replace("LOAD", load) for name, load in COMBINES.items())
+    return SHIM_HEAD + body + wrappers + CONVERSIONS
 
 
 def build(folder: Path, kernel_source: str = KERNEL_SOURCE) -> ctypes.CDLL:
@@ -111,7 +122,7 @@ def build(folder: Path, kernel_source: str = KERNEL_SOURCE) -> ctypes.CDLL:
     source.write_text(shim_source(kernel_source))
     library = folder / "kernel.so"
     done = subprocess.run(
-        ["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", str(library)],
+        ["g++", "-std=c++20", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread", str(source), "-o", str(library)],
         capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
