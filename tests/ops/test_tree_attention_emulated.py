@@ -157,8 +157,9 @@ def test_kernel_matches_reference(shim: Any, name: str, dtype: torch.dtype, rows
 @pytest.mark.parametrize("rows", ROW_VARIANTS)
 def test_cuda_kernel_matches_reference(name: str, dtype: torch.dtype, num_splits: int | None, aligned: bool,
                                        rows: int) -> None:
-    """GPU twin of the emulated tests: the same inputs and tolerances through CuPy, with K/V on
-    16-byte boundaries (vector loads) and one element past one (element loads), every build."""
+    """GPU twin of the emulated tests: the same inputs and tolerances through the CUDA launcher,
+    with K/V on 16-byte boundaries (vector loads) and one element past one (element loads),
+    every build."""
     from treeserve.ops.kernels.tree_attention_cuda import _cupy_launch, run_tree_attention
 
     q, k, v, lengths, bits, expected = case_inputs(name, 0, dtype)
@@ -222,7 +223,8 @@ def test_16_bit_stores_round_as_torch_does(shim: Any) -> None:
     random = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
     bases = torch.arange(0, 1 << 16, dtype=torch.int64)
     near = [(bases << 16) + offset for offset in (0x7fff, 0x8000, 0x8001)]  # bf16's ties and their neighbours
-    halfs = torch.arange(0x33000000, 0x47800000 + (1 << 13), 1 << 12, dtype=torch.int64)  # fp16's range, 3 steps a bit
+    # float32 bits in steps of 2^12 from 2^-25 to past 65504: every fp16 normal and every tie between two
+    halfs = torch.arange(0x33000000, 0x47800000 + (1 << 13), 1 << 12, dtype=torch.int64)
     near += [halfs - 1, halfs, halfs + 1, halfs | (1 << 31)]
     patterns = torch.cat([random, *(x.to(torch.int64).to(torch.int32) for x in near)])
     floats = patterns.view(torch.float32).contiguous()
