@@ -18,10 +18,11 @@
 // codes under a power-of-two scale (quantize_row16: exact for every x within 2^8 of the group's
 // largest, which bf16's 8 significant bits make the common case; the rest off by at most 2^-15
 // of the largest), vpmaddwd against the codes widened to int16 (exact int32 dots), then
-// y += float(dot) * (d_w * d_x) in fp32 per group, d_w * d_x exact (quantize_row16 and q8_rows). vpmaddwd gives 16 products
-// an instruction where an fp32 FMA gives 8, and an int8 product of two signed codes would need
-// vpsignb and a vpmaddwd after each vpmaddubsw: this is 1.5-1.9x the fp32 head it replaced from
-// 2 rows on (16 rows 8.1 -> 4.5 ms, 64 rows 24.1 -> 16.3), and no slower at one row.
+// y += float(dot) * (d_w * d_x) in fp32 per group, d_w * d_x exact (quantize_row16 and
+// q8_rows). vpmaddwd gives 16 products an instruction where an fp32 FMA gives 8, and an int8
+// product of two signed codes would need vpsignb and a vpmaddwd after each vpmaddubsw: this is
+// 1.5-1.9x the fp32 head it replaced from 2 rows on (16 rows 8.1 -> 4.5 ms, 64 rows 24.1 ->
+// 16.3), and no slower at one row.
 //
 // Layouts: as q4_amx.cpp (codes [N/32][K/32][2 tiles][8 row pairs][32 lanes] bytes, scales and
 // zeros [N/32][K/32][2][32] bf16) and q8_amx.cpp (codes [N/32][K/32][2][16 tile rows][32 lanes]
@@ -305,8 +306,8 @@ inline __m256i codes16(const int8_t* src, int h, int r, int v) {
 // Rows m0 .. m0+R-1 over one group of one 32-column block: the int32 dots of their int16 codes
 // with the weights' (vpmaddwd, exact: at most 32 * 32640 * 127 < 2^31), then one fp32 step a
 // column, acc += float(dot) * (dw * dx) (float(dot) rounds once above 2^24; dw * dx is exact,
-// dx being a power of two). `codes(h, r, v)`
-// gives the widened weights; every row count runs the same operations per row.
+// dx being a power of two). `codes(h, r, v)` gives the widened weights; every row count runs
+// the same operations per row.
 template <int R, class Codes>
 inline void q8_rows(const int16_t* xq, const float* dx, int64_t K, int64_t G, int64_t g, const __m256* dw, float* acc,
                     int64_t m0, Codes codes) {

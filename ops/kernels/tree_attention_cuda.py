@@ -65,7 +65,6 @@ VEC_BYTES = 16
 THREADS_PER_ROW = 8
 """Threads per block per query row: a block of 16 rows runs 128 threads, one item each in the
 score and weighted-value loops at head dim 64."""
-THREADS_PER_BLOCK = THREADS_PER_ROW * ROWS
 BLOCKS_PER_SM = 4
 """Splits are added until the grid holds about this many blocks per multiprocessor (on one H200:
 64-node trees over 2048/8192 keys took 0.058/0.180 ms at 2, 0.044/0.146 at 4; 16-node ones the
@@ -512,12 +511,12 @@ def run_tree_attention(
     num_sms: int, max_prefix_length: int | None = None, num_splits: int | None = None, rows: int | None = None,
     blocks_per_sm: int = BLOCKS_PER_SM, threads_per_block: int | None = None,
 ) -> Tensor:
-    """The host side of the kernel on ``launch`` (CuPy, or the tests' CPU shim): checks, plan,
-    workspace, the tile kernel and, with several splits, the combine. See the module docstring
-    for the contract. ``max_prefix_length`` (the longest ``prefix_lengths``, when the caller
-    knows it) spares a device-to-host read; ``rows`` (default :func:`rows_per_block`),
-    ``blocks_per_sm`` and ``threads_per_block`` (default :data:`THREADS_PER_ROW` a row) shape
-    the launch."""
+    """The host side of the kernel on ``launch`` (the CUDA launcher, or the tests' CPU shim):
+    checks, plan, workspace, the tile kernel and, with several splits, the combine. See the
+    module docstring for the contract. ``max_prefix_length`` (the longest ``prefix_lengths``,
+    when the caller knows it) spares a device-to-host read; ``rows`` (default
+    :func:`rows_per_block`), ``blocks_per_sm`` and ``threads_per_block`` (default
+    :data:`THREADS_PER_ROW` a row) shape the launch."""
     check_inputs(q, k, v, prefix_lengths, ancestor_bits)
     batch, heads, num_new, head_dim = q.shape
     kv_heads, capacity = k.shape[1], k.shape[2]
@@ -617,9 +616,9 @@ def _cupy_launch(device_index: int) -> Launch:
     device = cupy.cuda.Device(device_index)
     launch_kernel = _driver_launch()
     handles = {name: _function_handle(kernel) for name, kernel in kernels.items()}
-    packers: dict[tuple[str, ...], struct.Struct] = {
-        signature: struct.Struct("@" + "".join(PACKING[kind] for kind in signature))
-        for signature in (TILE_SIGNATURE, COMBINE_SIGNATURE)}
+    packers = {signature: struct.Struct("@" + "".join(PACKING[kind] for kind in signature))
+               for signature in (TILE_SIGNATURE, COMBINE_SIGNATURE)}
+    packer_of = {name: packers[COMBINE_SIGNATURE if "_combine_" in name else TILE_SIGNATURE] for name in kernels}
     streams: dict[int, Any] = {}  # torch's stream handle -> its CuPy wrapper (the CuPy path)
     converters: dict[str, Callable[[Any], Any]] = {
         PTR: lambda tensor: numpy.uint64(tensor.data_ptr()), I32: numpy.int32, I64: numpy.int64, F32: numpy.float32}
@@ -633,8 +632,7 @@ def _cupy_launch(device_index: int) -> Launch:
         handle = _current_stream(device_index)
         function = handles[name]
         if launch_kernel is not None and function is not None:
-            signature = tuple(kind for kind, _ in args)
-            params = ctypes.create_string_buffer(packers[signature].pack(
+            params = ctypes.create_string_buffer(packer_of[name].pack(
                 *(value.data_ptr() if kind == PTR else value for kind, value in args)))
             size = ctypes.c_size_t(ctypes.sizeof(params) - 1)  # without create_string_buffer's NUL
             extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(params), 2, ctypes.addressof(size), 0)
