@@ -217,12 +217,15 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, 
         assert recovered.is_compiled and recovered.compile_seconds is not None and broken.stat().st_size > 100
 
 
-def test_fused_step_matches_eager_and_writes_the_same_cache() -> None:
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_fused_step_matches_eager_and_writes_the_same_cache(head_dim: int) -> None:
     """Every block in one C++ op (the q4_1 format on the AVX2 kernels): the eager step's logits
     within bf16 rounding, for one token per row, ragged rows and trees, the same new K/V at each
     row's own slots and nothing else of the cache touched. A wrong rotation, slot, mask or
-    residual differs by the logits' spread."""
-    model = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    residual differs by the logits' spread. Head sizes 8 and 16: half a head under and at a
+    whole eight-lane vector (the default model's 64 is four)."""
+    dims = {**FORMAT_DIMS, "head_dim": head_dim, "num_heads": FORMAT_DIMS["dim"] // head_dim}
+    model = apply_format(make_tiny_model(8, **dims), "q4_1")
     fused = DecodeStep(model)
     if not fused.fuse():
         pytest.skip("needs the AVX2 q4_1 kernels (a CPU without AVX-512), the CPU tree-attention kernel and a C++ compiler")
@@ -245,7 +248,7 @@ def test_fused_step_matches_eager_and_writes_the_same_cache() -> None:
                 # turn a rounding of x into a step of its quantized value); a wrong slot differs
                 # by the values themselves.
                 assert (new - want).abs().max() <= 0.15 * want.abs().max()
-    hooked = apply_format(make_tiny_model(8, **FORMAT_DIMS), "q4_1")
+    hooked = apply_format(make_tiny_model(8, **dims), "q4_1")
     hooked.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: None)
     assert not DecodeStep(hooked).fuse()  # tensor parallelism's all-reduce is such a hook: it must run
 
