@@ -14,13 +14,14 @@ verified position hands the drafter:
   EAGLE-3 does.
 
 Input: a ``treeserve distill-features`` work dir's states folder (its answers, generated in
-q4_1), of which the first ``--train`` sequences are used, and a held-out folder of answers made
-the same way (MT-Bench's in the figures of ``bench/RESULTS.md``). Every sequence is run once more
-through the verifier in ``--format`` (eager, hooks on the tapped blocks) for the taps and the
-final states, so both drafters see states from the same forward.
+q4_1), of which the first ``--train`` sequences are used, and held-out answers: a folder made
+the same way, or a prompts file the verifier answers first (MT-Bench's, in the figures of
+``bench/RESULTS.md``). Every sequence is run once more through the verifier in ``--format``
+(eagerly, hooks on the tapped blocks) for the taps and the final states, so both drafters see
+states from the same forward.
 
-    python bench/drafter_layers.py --states WORK/states_256_q4_1 --heldout MT/states \
-        --train 1200 --epochs 5 --json
+    python bench/drafter_layers.py --states WORK/states_256_q4_1/states \
+        --heldout bench/data/mtbench.jsonl --train 1200 --epochs 5 --json
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from treeserve.models import load_model
-from treeserve.ops.feature_distill import StateSequence, draft_vocabulary, feature_loss, unrolled_features
+from treeserve.models import LoadedModel, load_model
+from treeserve.ops.distill import read_prompts, select_prompts
+from treeserve.ops.feature_distill import (StateSequence, draft_vocabulary, feature_loss, generate_state_data,
+                                           unrolled_features)
 from treeserve.ops.feature_drafter import FeatureDrafter, init_feature_drafter
 from treeserve.ops.model import Transformer
 from treeserve.ops.ssm import ssm_config_for
@@ -64,6 +67,17 @@ def read_states(folder: str, limit: int | None = None) -> list[StateSequence]:
             records[index] = StateSequence(**record)
     ordered = [records[i] for i in sorted(records)]
     return ordered[:limit] if limit is not None else ordered
+
+
+def heldout_states(args: argparse.Namespace, loaded: LoadedModel) -> list[StateSequence]:
+    """``--heldout``'s answers: a states folder as it is, or a prompts file (``.jsonl``) whose
+    first 80 chat prompts the verifier answers greedily (256 tokens at most, batched) into
+    ``--heldout-dir``, once (a rerun reuses them)."""
+    if not args.heldout.endswith(".jsonl"):
+        return read_states(args.heldout)
+    prompts = select_prompts(loaded.tokenizer, read_prompts([args.heldout]), max_prompts=80)
+    return generate_state_data(loaded.model, [(p, len(p)) for p in prompts], args.heldout_dir, max_new_tokens=256,
+                               stop_ids=loaded.tokenizer.stop_ids, batch_size=64)
 
 
 def tap(model: Transformer, data: Sequence[StateSequence], blocks: Sequence[int]) -> list[Tapped]:
@@ -201,7 +215,9 @@ def train(model: Transformer, data: Sequence[Tapped], heldout: Sequence[Tapped],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--states", required=True, help="a distill-features states folder (training answers)")
-    parser.add_argument("--heldout", required=True, help="a states folder of held-out answers")
+    parser.add_argument("--heldout", required=True,
+                        help="a states folder of held-out answers, or a prompts .jsonl to answer (e.g. bench/data/mtbench.jsonl)")
+    parser.add_argument("--heldout-dir", default="drafter_layers_heldout", help="where a prompts file's answers go")
     parser.add_argument("--train", type=int, default=1200, help="first N training sequences")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--format", default="q4_1", help="the verifier's format for the states")
@@ -219,9 +235,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.monotonic()
-    verifier = load_model(args.model, weight_format=args.format).model
+    loaded = load_model(args.model, weight_format=args.format)
+    verifier = loaded.model
     data = tap(verifier, read_states(args.states, args.train), args.taps)
-    heldout = tap(verifier, read_states(args.heldout), args.taps)
+    heldout = tap(verifier, heldout_states(args, loaded), args.taps)
     del verifier
     tap_s = time.monotonic() - started
     positions = sum(d.token_ids.numel() for d in data)
