@@ -9,7 +9,7 @@ verified position hands the drafter:
 
 * ``last``: the final normed hidden state, as served today;
 * ``fused``: ``Linear(3D -> D)`` of the outputs of blocks ``--taps`` (each RMS-normalised) and
-  the final normed state, started at "the final state alone", so it can only learn to use more.
+  the final normed state, started as "the final state alone", where ``last`` starts.
   A second draft step reads the drafter's own predicted state in place of the fused one, as
   EAGLE-3 does.
 
