@@ -41,8 +41,9 @@ from torch import Tensor, nn
 
 from treeserve.models import LoadedModel, load_model
 from treeserve.ops.distill import read_prompts, select_prompts
-from treeserve.ops.feature_distill import (StateSequence, draft_vocabulary, feature_loss, generate_state_data,
-                                           unrolled_features)
+# _windows: the windows distill-features trains on (it reads only token_ids, which Tapped has too)
+from treeserve.ops.feature_distill import (StateSequence, _windows, draft_vocabulary, feature_loss,
+                                           generate_state_data, unrolled_features)
 from treeserve.ops.feature_drafter import FeatureDrafter, init_feature_drafter
 from treeserve.ops.model import Transformer
 from treeserve.ops.ssm import ssm_config_for
@@ -131,17 +132,6 @@ class Fusion(nn.Module):
         return self.linear(torch.cat([taps.flatten(-2), final], dim=-1))  # taps (B, T, taps, D), normalised
 
 
-def windows(data: Sequence[Tapped], length: int) -> list[tuple[int, int]]:
-    out = []
-    for index, seq in enumerate(data):
-        n = seq.token_ids.numel()
-        if n < 3:
-            continue
-        span = min(length, n - 1)
-        out.extend((index, start) for start in range(0, max(n - 1 - span, 0) + 1, span))
-    return out
-
-
 def batch(data: Sequence[Tapped], picks: Sequence[tuple[int, int]], length: int,
           prompt_weight: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Taps and final states at t, tokens x_{t+1}, final states at t+1, loss weights and the
@@ -162,7 +152,7 @@ def evaluate(drafter: FeatureDrafter, fusion: Fusion, data: Sequence[Tapped], le
     hits, totals = [0, 0], [0, 0]
     drafter.eval()
     with torch.no_grad():
-        picks_all = windows(data, length)
+        picks_all = _windows(data, length)
         for start in range(0, len(picks_all), 8):
             taps, final, tokens, _, weights, truth = batch(data, picks_all[start: start + 8], length, 0.0)
             predicted = unrolled_features(drafter, fusion(taps, final), tokens, steps=2)
@@ -186,7 +176,7 @@ def train(model: Transformer, data: Sequence[Tapped], heldout: Sequence[Tapped],
         parameter.requires_grad_(False)
     trainable = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens.")] + list(fusion.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    picks_all = windows(data, args.length)
+    picks_all = _windows(data, args.length)
     per_epoch = math.ceil(len(picks_all) / args.batch_size)
     total = args.epochs * per_epoch
     rng = random.Random(args.seed)
