@@ -119,7 +119,6 @@ class Fusion(nn.Module):
 
     def __init__(self, dim: int, taps: int, fused: bool) -> None:
         super().__init__()
-        self.fused = fused
         self.linear = nn.Linear((taps + 1) * dim, dim, bias=False) if fused else None
         if self.linear is not None:
             with torch.no_grad():
