@@ -36,13 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treeserve.models import LoadedModel, load_model
 from treeserve.ops.distill import read_prompts, select_prompts
-# _windows: the windows distill-features trains on (it reads only token_ids, which Tapped has too)
-from treeserve.ops.feature_distill import (StateSequence, _windows, draft_vocabulary, feature_loss,
+# _windows and _batch: the windows and batches distill-features trains on
+from treeserve.ops.feature_distill import (StateSequence, _batch, _windows, draft_vocabulary, feature_loss,
                                            generate_state_data, unrolled_features)
 from treeserve.ops.feature_drafter import FeatureDrafter, init_feature_drafter
 from treeserve.ops.model import Transformer
@@ -51,14 +50,11 @@ from treeserve.ops.ssm import ssm_config_for
 
 @dataclass(frozen=True)
 class Tapped:
-    """A sequence's tokens, the tapped blocks' outputs ``(L, taps, D)`` and final states
-    ``(L, D)`` (float16), the verifier's greedy top-1 ``(L,)`` and its prompt length."""
+    """A sequence with the final states of this forward (``seq.states``, float16) and the tapped
+    blocks' outputs ``(L, taps, D)`` (float16)."""
 
-    token_ids: Tensor
+    seq: StateSequence
     taps: Tensor
-    final: Tensor
-    top1: Tensor
-    prompt_len: int
 
 
 def read_states(folder: str, limit: int | None = None) -> list[StateSequence]:
@@ -105,8 +101,8 @@ def tap(model: Transformer, data: Sequence[StateSequence], blocks: Sequence[int]
                 taps = torch.stack([caught[b][0].float() for b in blocks], dim=1)  # (L, taps, D)
                 # RMS-normalised before float16: the residual stream reaches tens of thousands
                 taps = taps * torch.rsqrt(taps.pow(2).mean(-1, keepdim=True) + 1e-6)
-                out.append(Tapped(seq.token_ids, taps.to(torch.float16), final[0].to(torch.float16), seq.top1,
-                                  seq.prompt_len))
+                out.append(Tapped(StateSequence(seq.token_ids, final[0].to(torch.float16), seq.top1, seq.prompt_len),
+                                  taps.to(torch.float16)))
     finally:
         for hook in hooks:
             hook.remove()
@@ -133,16 +129,12 @@ class Fusion(nn.Module):
 
 def batch(data: Sequence[Tapped], picks: Sequence[tuple[int, int]], length: int,
           prompt_weight: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Taps and final states at t, tokens x_{t+1}, final states at t+1, loss weights and the
-    verifier's top-1 at t+1, cut to the shortest window (as feature_distill's batches)."""
-    span = min(min(data[i].token_ids.numel() - 1 - s, length) for i, s in picks)
+    """feature_distill's batch of the final states (states at t, tokens x_{t+1}, states at t+1,
+    loss weights) with the taps at t before it and the verifier's top-1 at t+1 after it."""
+    final, tokens, targets, weights = _batch([d.seq for d in data], picks, length, prompt_weight)
+    span = tokens.shape[1]
     taps = torch.stack([data[i].taps[s: s + span] for i, s in picks]).float()
-    final = torch.stack([data[i].final[s: s + span] for i, s in picks]).float()
-    tokens = torch.stack([data[i].token_ids[s + 1: s + 1 + span] for i, s in picks]).to(torch.long)
-    targets = torch.stack([data[i].final[s + 1: s + 1 + span] for i, s in picks]).float()
-    index = torch.arange(span)
-    weights = torch.stack([torch.where(s + 1 + index >= data[i].prompt_len - 1, 1.0, prompt_weight) for i, s in picks])
-    truth = torch.stack([data[i].top1[s + 1: s + 1 + span] for i, s in picks])
+    truth = torch.stack([data[i].seq.top1[s + 1: s + 1 + span] for i, s in picks])
     return taps, final, tokens, targets, weights, truth
 
 
@@ -151,7 +143,7 @@ def evaluate(drafter: FeatureDrafter, fusion: Fusion, data: Sequence[Tapped], le
     hits, totals = [0, 0], [0, 0]
     drafter.eval()
     with torch.no_grad():
-        picks_all = _windows(data, length)
+        picks_all = _windows([d.seq for d in data], length)
         for start in range(0, len(picks_all), 8):
             taps, final, tokens, _, weights, truth = batch(data, picks_all[start: start + 8], length, 0.0)
             predicted = unrolled_features(drafter, fusion(taps, final), tokens, steps=2)
@@ -175,7 +167,7 @@ def train(model: Transformer, data: Sequence[Tapped], heldout: Sequence[Tapped],
         parameter.requires_grad_(False)
     trainable = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens.")] + list(fusion.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    picks_all = _windows(data, args.length)
+    picks_all = _windows([d.seq for d in data], args.length)
     per_epoch = math.ceil(len(picks_all) / args.batch_size)
     total = args.epochs * per_epoch
     rng = random.Random(args.seed)
@@ -230,13 +222,12 @@ def main() -> None:
     heldout = tap(verifier, heldout_states(args, loaded), args.taps)
     del verifier
     tap_s = time.monotonic() - started
-    positions = sum(d.token_ids.numel() for d in data)
+    positions = sum(d.seq.token_ids.numel() for d in data)
     print(f"{len(data)} training sequences ({positions} positions), {len(heldout)} held out; taps in {tap_s:.0f} s",
           flush=True)
     model = load_model(args.model, dtype=torch.float32).model  # the drafters train in float32, as distill-features
     model.requires_grad_(False)
-    as_states = [StateSequence(d.token_ids, d.final, d.top1, d.prompt_len) for d in data]
-    draft_ids = draft_vocabulary(as_states, args.draft_vocab)
+    draft_ids = draft_vocabulary([d.seq for d in data], args.draft_vocab)
     results = [train(model, data, heldout, draft_ids, variant == "fused", args) for variant in args.variants]
     if args.json:
         print(json.dumps({"train_sequences": len(data), "train_positions": positions, "heldout_sequences": len(heldout),
