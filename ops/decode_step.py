@@ -25,6 +25,11 @@ verifier's step. In eager mode their ~1,500 small ops cost more than their weigh
 The step computes what ``Transformer.forward`` computes for the same tokens, with the same
 kernels (one set of weight values), so it can replace it anywhere. Prefills of more than 64
 tokens stay eager: their ops are few per token, and their time is in the matrix products.
+
+Where the model fits :meth:`DecodeStep.fuse` (the q4_1 format on a CPU with AVX2, the CLI's
+default), none of the above runs: every forward of the model, prefills of any length included,
+goes through the one C++ op of :mod:`~treeserve.ops.kernels.decode_layers`, whose rows do not
+depend on each other, and nothing is compiled (``--compile`` changes nothing there).
 """
 
 
@@ -290,6 +295,7 @@ class DecodeStep(CompiledStep):
     def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
         super().__init__(model, artifact=artifact)
         self._fused: list[Tensor] | None = None  # decode_layers.weights once fuse() took
+        self._kernel: int | None = None  # decode_layers.kernel_of, likewise
 
     def _example_args(self) -> tuple[object, ...]:
         cache, positions, tree_mask, num_slots = self._example_cache()
@@ -300,10 +306,12 @@ class DecodeStep(CompiledStep):
 
     def fuse(self) -> bool:
         """Run every block in one C++ op from now on, where the model fits it (the q4_1 format
-        on the AVX2 kernels, :mod:`~treeserve.ops.kernels.decode_layers`): the same kernels and
-        weights without the compiled step's Python wrapper, and nothing to compile or load
-        (:meth:`prepare` then does nothing). Returns whether it does."""
+        on a CPU with AVX2, :mod:`~treeserve.ops.kernels.decode_layers`): the same weights, one
+        answer per row at every shape, no Python per op, and nothing to compile or load
+        (:meth:`prepare` then does nothing). The step then takes any number of new tokens a row,
+        so the model's prefills run it too. Returns whether it does."""
         if self._fused is None and decode_layers.fits(self.model):
+            self._kernel = decode_layers.kernel_of(self.model)
             self._fused = decode_layers.weights(self.model)
         return self._fused is not None
 
@@ -319,14 +327,29 @@ class DecodeStep(CompiledStep):
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  positions: Tensor | None = None) -> Tensor:
+        if self._fused is not None:
+            return self._run_fused(tokens, cache, tree_mask, positions)
         self._check(tokens, cache)
         positions, tree_mask, num_slots = begin_step(cache, tokens.shape[0], tokens.shape[1], tree_mask, positions)
-        if self._fused is not None:
-            return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
-                                     cache.lengths, cache.keys, cache.values)
         # The compiled function was traced on dense inputs (it checks their strides).
         return self._call(tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
                           num_slots)
+
+
+    def _run_fused(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
+        """The fused op over any number of new tokens a row (a prefill too): a causal chain
+        when ``tree_mask`` is None, with no ``(T, T)`` mask built."""
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] < 1:
+            raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and T >= 1, got {tuple(tokens.shape)}")
+        if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
+            raise ValueError(f"the cache does not belong to this {self.what}'s model")
+        num_new = tokens.shape[1]
+        if positions is None:
+            positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)
+        cache.begin_write(num_new)
+        assert self._fused is not None and self._kernel is not None
+        return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
+                                 cache.lengths, cache.keys, cache.values, self._kernel)
 
 
 def begin_step(cache: KVCache, batch: int, num_new: int, tree_mask: Tensor | None,

@@ -14,9 +14,9 @@ bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this 
                          ``F.linear`` where oneDNN has no bf16, :func:`onednn_bf16`)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
 q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q4_amx``
-                         (AVX512-BF16 for one row, AMX tiles from two; without
-                         AMX, int8 rows on AVX512-VNNI at every shape; without
-                         AVX-512, int8 rows on AVX2, ``kernels/q_avx2.cpp``), else
+                         (int8 rows on AVX512-VNNI at every shape; without
+                         AVX-512, int8 rows on AVX2, ``kernels/q_avx2.cpp``; the
+                         whole forward in one op, ``kernels/decode_layers``), else
                          ``_weight_int4pack_mm_for_cpu``
 =========== ============ ==================================================================
 
@@ -26,12 +26,17 @@ The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logit
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
 representation by shape, so a server's speculative output equals its own incremental
-decoding up to float summation order. The exact equality tests run in float32. q4_1's and the
-Q8_0 head's kernels each have two paths, picked by row count inside one op; both read the same
-codes and scales and neither rounds a weight (``kernels/q4_amx.py`` and ``kernels/q8_amx.py``
-say how), and tests compare them. Where a CPU has no AMX tiles, q4_1 instead rounds each
-group of 32 activations to int8 at every row count (one path for every shape there, and a
-row's result the same bits at every row count).
+decoding up to float summation order.
+
+**One answer in q4_1.** Where its kernels run (x86 with AVX2 or AVX512-VNNI), q4_1 rounds
+each group of 32 activations to int8 at every row count, so a row's products are the same bits
+at every row count (AMX hosts too: the bf16 tile path, whose sums depend on the shape, is not
+used), the Q8_0 head likewise, and every forward runs the one op of ``kernels/decode_layers``,
+whose norms and attention do not depend on the other rows either: greedy speculation,
+batching, prefill chunking and ``--compile`` give the same tokens as incremental decoding, bit
+for bit (``tests/ops/test_row_invariance.py``). bfloat16 and int8 do not promise this yet:
+oneDNN's and torch's GEMMs change their summation order with the row count; float32 agrees
+across shapes to about 1e-4 in logits.
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and

@@ -385,7 +385,7 @@ class Transformer(nn.Module):
     def _hidden_states(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> Tensor:
         # Inputs are validated: only now mark slots pending (a rejected call leaves the cache as it was).
         step = self.decode_step
-        if step is not None and tokens.shape[1] <= step.max_new:
+        if step is not None and (tokens.shape[1] <= step.max_new or step.is_fused):
             return step(tokens, cache, tree_mask, positions)
         h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
         return self.norm(h)

@@ -40,15 +40,38 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+ISA_ENV = "TREESERVE_ISA"
+"""Caps the instruction sets the kernels may use, for one process: ``amx`` (everything),
+``avx512`` (no AMX tiles) or ``avx2`` (no AVX-512 either), so that one host runs, tests and
+times every kernel path below its own (``TREESERVE_ISA=avx2 treeserve generate ...``)."""
+
+ISA_LEVELS = ("avx2", "avx512", "amx")
+
+
+def isa_cap() -> str:
+    """The cap :data:`ISA_ENV` sets (``amx``, no cap, when unset); ``ValueError`` on another name."""
+    cap = os.environ.get(ISA_ENV, "amx").strip().lower() or "amx"
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}, got {cap!r}")
+    return cap
+
+
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where it cannot be read)."""
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where it cannot be read),
+    less those :data:`ISA_ENV` hides: every kernel asks here before it builds or loads."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
+            flags = frozenset(line.split(":", 1)[1].split())
+            cap = isa_cap()
+            if cap != "amx":
+                flags = frozenset(f for f in flags if not f.startswith("amx"))
+            if cap == "avx2":
+                flags = frozenset(f for f in flags if not f.startswith("avx512"))
+            return flags
     return frozenset()
 
 
@@ -139,6 +162,8 @@ def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: d
     init = getattr(library, init_symbol)
     init.restype = ctypes.c_int
     mask = int(init())
+    if isa_cap() != "amx":  # the tiles hidden, as a VM without AMX would
+        mask &= ~TILES
     if not mask & VECTORS:
         log.info("%s: the kernel's CPU check failed; %s", name, fallback)
         return 0

@@ -1,28 +1,37 @@
-// The decode step's transformer blocks in one call, for the q4_1 format on the AVX2 kernels:
+// Every transformer block in one call, for the q4_1 format on CPUs with AVX2: a decode step, a
+// token tree, a batch of rows or a prefill of any length, each row computed the same way
+// whatever else shares the call.
 // treeserve_layers::run(h, positions, tree_mask, lengths, keys, values, rope_cos, rope_sin,
-//                       weights, num_heads, num_kv_heads, eps) -> hidden
+//                       weights, num_heads, num_kv_heads, eps, kernel) -> hidden
 //
-// Why: at one row the compiled step's own work is about 4.5 ms, but the step took about 6.5.
-// Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each, with
-// their buffers) and its prologue reads ~130 tensor sizes; 1.5-2 ms a step on this project's
-// 2-core AVX2 host (bench/RESULTS.md; this op runs the blocks 1.5-1.7x as fast at one row,
-// bench/fused_step.py). Here one op runs every block: the matrix products and
-// the attention are the same ops, called through the dispatcher without Python
-// (treeserve_avx2::q4_mm, treeserve_attn::write_kv and tree_decode), and the small elementwise
-// work between them is written out below.
+// Why one op: at one row the compiled step's own work is about 4.5 ms, but the step took about
+// 6.5. Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each,
+// with their buffers) and its prologue reads ~130 tensor sizes; 1.5-2 ms a step on this
+// project's 2-core AVX2 host (bench/RESULTS.md). Here one op runs every block: the matrix
+// products are the q4_1 format's own op, called through the dispatcher without Python
+// (kernel 0: treeserve_avx2::q4_mm; 1: treeserve_q4::mm on int8 rows, AVX512-VNNI), and the
+// attention and the small elementwise work between them are written out below.
+//
+// One answer per row. Nothing a row gets depends on the other rows, the number of new tokens,
+// the tree, or the threads: the products quantize each row to int8 per group on its own and
+// sum exact int32 dots, scaled in a fixed order; the norms, RoPE, SiLU and adds go row by row,
+// element by element in a fixed order; and the attention (attend, below) sums over each token's
+// visible keys in an order fixed by their place in that token's own sequence. So a prefill's
+// K/V equal the steps' K/V bit for bit, and a token's hidden state is the same in a step, a
+// chain, a tree, a batch or a prefill.
 //
 // What it computes is decode_step.blocks_hidden's, in bf16 activations with float32 inside each
-// elementwise stage, rounded to bf16 once per stage (as inductor's fused kernels do):
+// elementwise stage, rounded to bf16 once per stage:
 //   x = rms_norm(h) * w_in; q|k|v = q4_mm(x); q, k = rope(q), rope(k) (cos/sin rounded to bf16
-//   first, as the step does); write k, v; a = tree_decode(q); h = bf16(h + q4_mm(a));
+//   first, as the step does); write k, v; a = attend(q); h = bf16(h + q4_mm(a));
 //   x = rms_norm(h) * w_post; g|u = q4_mm(x); h = bf16(h + q4_mm(silu(g) * u))
 // and the final norm. The weights are the model's own buffers (the same values as every other
-// path); h is (B, T, D) bf16, positions (B, T) long, tree_mask (B, T, T) bool, lengths (B,) long
-// (committed lengths: K/V go to slots lengths[b] + t), keys/values the cache's per-layer
-// (B, n_kv, C, hd) bf16 storage, rope_cos/rope_sin (P, hd) float32, and weights 10 a layer
-// (w_in, qkv codes, qkv scales_zeros, o codes, o scales_zeros, w_post, gate_up codes,
-// gate_up scales_zeros, down codes, down scales_zeros; the norms' weights float32) and the
-// final norm's last.
+// path); h is (B, T, D) bf16, positions (B, T) long, tree_mask (B, T, T) bool (or empty: a
+// causal chain, as a prefill is), lengths (B,) long (committed lengths: K/V go to slots
+// lengths[b] + t), keys/values the cache's per-layer contiguous (B, n_kv, C, hd) bf16 storage,
+// rope_cos/rope_sin (P, hd) float32, and weights 10 a layer (w_in, qkv codes, qkv
+// scales_zeros, o codes, o scales_zeros, w_post, gate_up codes, gate_up scales_zeros, down
+// codes, down scales_zeros; the norms' weights float32) and the final norm's last.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,8 +42,12 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
 #include <vector>
 
 #include "simd16.h"  // its AVX2 backend: this file is built without AVX-512
@@ -119,32 +132,348 @@ void silu_mul(const bf16* gate_up, int64_t rows, int64_t F, bf16* out) {
   });
 }
 
-at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at::Tensor& tree_mask,
-               const at::Tensor& lengths, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
+// ---------------------------------------------------------------------------------------------
+// Attention whose every output row is a function of that row alone.
+//
+// New token t of row b sees the row's committed slots [0, L) (L = lengths[b]) and, among its
+// new slots L + s, those with tree_mask[b, t, s] set (no mask: a causal chain, s <= t). Its
+// visible keys, in slot order, form one sequence: the committed prefix, then its tree
+// ancestors and itself. A decode step at length L + d, a chain, a tree whose accepted path
+// reaches the same token, and a prefill all give that token the same sequence of key and
+// value rows (the same bits, written by the same forward), so every sum below runs in an order
+// fixed by the position in that sequence alone, never by the slots, the number of new tokens,
+// the rows in the batch or the threads:
+//   * the sequence is cut into segments of kSegment keys and blocks of kKeyBlock keys, both
+//     counted from its first key. A token's segment is attended under an online softmax over
+//     its blocks; its segments are merged in order, always (one merges with itself, exactly);
+//   * a score is the query's dot product with one key, summed dimension by dimension in order
+//     by one FMA chain (a key a lane, the block's keys transposed), times 1/sqrt(hd);
+//   * weights are simd16's vexp of a block's scores minus the running maximum; their sum and
+//     the weighted values are accumulated key by key in sequence order.
+// All in float32; bf16 inputs widen exactly, and the output is rounded to nearest even.
+//
+// Work: a unit is (row, a chunk of kTokenChunk new tokens, KV head, segment) and takes the
+// chunk's tokens that reach that segment, with their H / n_kv query heads. A block of the committed prefix (or, for a
+// causal chain, any block: key i is slot i) is widened and transposed once for all of them;
+// a block holding tree slots is gathered per token. Either way a token's arithmetic is the
+// same, so sharing changes what is read, not what is computed.
+constexpr int64_t kKeyBlock = 16;
+constexpr int64_t kSegment = 128;  // a multiple of kKeyBlock
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kTokenChunk = 16;  // new tokens of a row a unit of work takes at most
+constexpr int64_t kMaxHeadDim = 256;
+
+struct AttnShape {
+  int64_t B, T, H, n_kv, C, hd;
+};
+
+// The visible sequence of one new token: its length, and key i's slot.
+struct Visible {
+  int64_t committed;     // L
+  const int32_t* nodes;  // the visible new slots' indices s, ascending; null for a causal chain
+  int64_t count;         // L + number of visible new slots
+  int64_t slot(int64_t i) const { return i < committed || !nodes ? i : committed + nodes[i - committed]; }
+};
+
+// One block of keys widened to float32: kt[d * 16 + j] (transposed) and vf[j * hd + d]; lanes
+// from n on are zero.
+struct Block {
+  alignas(32) float kt[kMaxHeadDim * kKeyBlock];
+  alignas(32) float vf[kKeyBlock * kMaxHeadDim];
+};
+
+void widen_block(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t n, int64_t hd, Block& out) {
+  for (int64_t j8 = 0; j8 < kKeyBlock; j8 += 8) {
+    for (int64_t d8 = 0; d8 < hd; d8 += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = j8 + i < n ? bf16x8(krow[j8 + i] + d8) : _mm256_setzero_ps();
+      simd16::transpose8(r);
+      for (int64_t i = 0; i < 8; ++i) _mm256_store_ps(out.kt + (d8 + i) * kKeyBlock + j8, r[i]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d8 = 0; d8 < hd; d8 += 8) _mm256_store_ps(out.vf + j * hd + d8, bf16x8(vrow[j] + d8));
+  }
+}
+
+// The online-softmax state of one query row: its running maximum and sum, and its weighted
+// values acc (hd floats).
+struct RowState {
+  float max, sum;
+  float* acc;
+};
+
+// Rows q[0, R) (R <= 4) against a block: score[r][j] = (sum_d q[r][d] * k_j[d]) * scale.
+template <int R>
+inline void block_scores(const float* q, int64_t hd, const Block& blk, float scale, float (*score)[kKeyBlock]) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    const __m256 k0 = _mm256_load_ps(blk.kt + d * kKeyBlock), k1 = _mm256_load_ps(blk.kt + d * kKeyBlock + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_set1_ps(q[r * hd + d]);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(score[r], _mm256_mul_ps(acc[r][0], s));
+    _mm256_storeu_ps(score[r] + 8, _mm256_mul_ps(acc[r][1], s));
+  }
+}
+
+// G query rows (q, their states) take the block's first n keys.
+void attend_block(const float* q, int64_t G, int64_t hd, const Block& blk, int64_t n, float scale, RowState* rows) {
+  alignas(32) float score[kMaxGroup][kKeyBlock];
+  int64_t r = 0;
+  for (; r + 4 <= G; r += 4) block_scores<4>(q + r * hd, hd, blk, scale, score + r);
+  switch (G - r) {
+    case 3: block_scores<3>(q + r * hd, hd, blk, scale, score + r); break;
+    case 2: block_scores<2>(q + r * hd, hd, blk, scale, score + r); break;
+    case 1: block_scores<1>(q + r * hd, hd, blk, scale, score + r); break;
+    default: break;
+  }
+  for (r = 0; r < G; ++r) {
+    RowState& row = rows[r];
+    float block_max = score[r][0];
+    for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, score[r][j]);
+    const float new_max = std::max(row.max, block_max);
+    for (int64_t j = n; j < kKeyBlock; ++j) score[r][j] = new_max;  // padding lanes, never summed
+    simd16::vstore(score[r], simd16::vexp(simd16::vsub(simd16::vload(score[r]), simd16::vset1(new_max))));
+    const float shrink = row.max == -std::numeric_limits<float>::infinity()
+                             ? 0.0f : _mm256_cvtss_f32(simd16::vexp(simd16::vset1(row.max - new_max)).lo);
+    row.max = new_max;
+    float sum = row.sum * shrink;
+    for (int64_t j = 0; j < n; ++j) sum += score[r][j];
+    row.sum = sum;
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {  // the weighted values, 64 dims in registers at a time
+      const int64_t width = std::min<int64_t>(64, hd - d0) / 8;
+      __m256 a[8];
+      for (int64_t c = 0; c < width; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(row.acc + d0 + 8 * c), _mm256_set1_ps(shrink));
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 w = _mm256_set1_ps(score[r][j]);
+        for (int64_t c = 0; c < width; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(blk.vf + j * hd + d0 + 8 * c), a[c]);
+      }
+      for (int64_t c = 0; c < width; ++c) _mm256_storeu_ps(row.acc + d0 + 8 * c, a[c]);
+    }
+  }
+}
+
+// out (B, T, H * hd) bf16: every new token's attention (see above). q (B, T, H, hd) bf16;
+// keys/values the layer's (B, n_kv, C, hd) bf16 cache, the new tokens' K/V already written;
+// mask (B, T, T) bool or null (causal).
+void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const int64_t* lengths,
+            const bool* mask, const AttnShape& s, uint16_t* out) {
+  const int64_t G = s.H / s.n_kv, tokens = s.B * s.T, hd = s.hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // Each token's visible new slots (a tree), its segments, and where its partial results go:
+  // (token, KV head, segment) at first_part[token] + g * segments + k.
+  std::vector<int32_t> nodes(mask ? tokens * s.T : 0);
+  std::vector<Visible> visible(tokens);
+  std::vector<int64_t> first_part(tokens + 1, 0), row_segments(s.B, 0);
+  for (int64_t bt = 0; bt < tokens; ++bt) {
+    const int64_t b = bt / s.T, t = bt % s.T;
+    Visible& v = visible[bt];
+    v.committed = lengths[b];
+    if (mask) {
+      int32_t* list = nodes.data() + bt * s.T;
+      int64_t count = 0;
+      for (int64_t j = 0; j < s.T; ++j) {
+        if (mask[bt * s.T + j]) list[count++] = static_cast<int32_t>(j);
+      }
+      v.nodes = list;
+      v.count = v.committed + count;
+    } else {
+      v.nodes = nullptr;
+      v.count = v.committed + t + 1;
+    }
+    const int64_t segments = std::max<int64_t>(1, (v.count + kSegment - 1) / kSegment);
+    row_segments[b] = std::max(row_segments[b], segments);
+    first_part[bt + 1] = first_part[bt] + segments * s.n_kv;
+  }
+  const int64_t part_floats = G * (2 + hd);
+  std::vector<float> parts(first_part[tokens] * part_floats);
+  // Units: (row, a chunk of its tokens, KV head, segment), handed out one at a time (their sizes
+  // differ: a segment of a row's last keys is short, and a tree's tokens reach few of them).
+  const int64_t chunks = (s.T + kTokenChunk - 1) / kTokenChunk;
+  std::vector<int64_t> first_unit(s.B + 1, 0);
+  for (int64_t b = 0; b < s.B; ++b) first_unit[b + 1] = first_unit[b] + chunks * s.n_kv * row_segments[b];
+  const int64_t units = first_unit[s.B];
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::unique_ptr<Block> blk(new Block);
+    std::vector<float> qf, acc;
+    std::vector<RowState> rows;
+    std::vector<int64_t> members;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
+      const int64_t index = u - first_unit[b], S = row_segments[b];
+      const int64_t c = index / (s.n_kv * S), g = index / S % s.n_kv, k = index % S;
+      const int64_t i_begin = k * kSegment, L = lengths[b];
+      // The chunk's tokens that reach this segment, their queries and states.
+      members.clear();
+      for (int64_t t = c * kTokenChunk; t < std::min(s.T, (c + 1) * kTokenChunk); ++t) {
+        if (visible[b * s.T + t].count > i_begin) members.push_back(t);
+      }
+      const int64_t m = static_cast<int64_t>(members.size());
+      qf.resize(m * G * hd);
+      acc.assign(m * G * hd, 0.0f);
+      rows.resize(m * G);
+      for (int64_t i = 0; i < m; ++i) {
+        const uint16_t* qrow = q + ((b * s.T + members[i]) * s.H + g * G) * hd;
+        for (int64_t e = 0; e < G * hd; e += 8) _mm256_storeu_ps(qf.data() + i * G * hd + e, bf16x8(qrow + e));
+        for (int64_t r = 0; r < G; ++r)
+          rows[i * G + r] = {-std::numeric_limits<float>::infinity(), 0.0f, acc.data() + (i * G + r) * hd};
+      }
+      const uint16_t* kbase = keys + (b * s.n_kv + g) * s.C * hd;
+      const uint16_t* vbase = values + (b * s.n_kv + g) * s.C * hd;
+      const uint16_t* krow[kKeyBlock];
+      const uint16_t* vrow[kKeyBlock];
+      for (int64_t i0 = i_begin; i0 < i_begin + kSegment; i0 += kKeyBlock) {
+        if (!mask || i0 + kKeyBlock <= L) {  // key i is slot i for every token: widened once
+          int64_t widest = 0;
+          for (int64_t i = 0; i < m; ++i) widest = std::max(widest, std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0));
+          if (widest <= 0) break;
+          for (int64_t j = 0; j < widest; ++j) {
+            krow[j] = kbase + (i0 + j) * hd;
+            vrow[j] = vbase + (i0 + j) * hd;
+          }
+          widen_block(krow, vrow, widest, hd, *blk);
+          for (int64_t i = 0; i < m; ++i) {
+            const int64_t n = std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0);
+            if (n > 0) attend_block(qf.data() + i * G * hd, G, hd, *blk, n, scale, rows.data() + i * G);
+          }
+        } else {  // tree slots: each token's own keys
+          bool any = false;
+          for (int64_t i = 0; i < m; ++i) {
+            const Visible& v = visible[b * s.T + members[i]];
+            const int64_t n = std::min(kKeyBlock, v.count - i0);
+            if (n <= 0) continue;
+            any = true;
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t slot = v.slot(i0 + j);
+              krow[j] = kbase + slot * hd;
+              vrow[j] = vbase + slot * hd;
+            }
+            widen_block(krow, vrow, n, hd, *blk);
+            attend_block(qf.data() + i * G * hd, G, hd, *blk, n, scale, rows.data() + i * G);
+          }
+          if (!any) break;
+        }
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t bt = b * s.T + members[i];
+        const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
+        float* part = parts.data() + (first_part[bt] + g * segments + k) * part_floats;
+        for (int64_t r = 0; r < G; ++r) {
+          part[r] = rows[i * G + r].max;
+          part[G + r] = rows[i * G + r].sum;
+          std::memcpy(part + 2 * G + r * hd, rows[i * G + r].acc, hd * sizeof(float));
+        }
+      }
+    }
+  }
+  // Merge each token's segments in order.
+  at::parallel_for(0, tokens * s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float total[kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bt = item / s.n_kv, g = item % s.n_kv;
+      const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
+      const float* first = parts.data() + (first_part[bt] + g * segments) * part_floats;
+      for (int64_t r = 0; r < G; ++r) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < segments; ++k) top = std::max(top, first[k * part_floats + r]);
+        float sum = 0.0f;
+        std::fill(total, total + hd, 0.0f);
+        for (int64_t k = 0; k < segments; ++k) {
+          const float* p = first + k * part_floats;
+          const float factor = _mm256_cvtss_f32(simd16::vexp(simd16::vset1(p[r] - top)).lo);
+          sum += p[G + r] * factor;
+          const float* a = p + 2 * G + r * hd;
+          for (int64_t d = 0; d < hd; d += 8)
+            _mm256_store_ps(total + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_set1_ps(factor), _mm256_load_ps(total + d)));
+        }
+        const __m256 inverse = _mm256_set1_ps(1.0f / sum);
+        uint16_t* o = out + (bt * s.H + g * G + r) * hd;
+        for (int64_t d = 0; d < hd; d += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d), bf16_round8(_mm256_mul_ps(_mm256_load_ps(total + d), inverse)));
+      }
+    }
+  });
+}
+
+// Store the new tokens' keys (B, T, n_kv, hd) and values (rows of width `stride` from
+// `v_first`) at slots lengths[b] + t of the layer's cache.
+void write_kv(const uint16_t* k_new, const uint16_t* v_first, int64_t v_stride, const int64_t* lengths,
+              const AttnShape& s, uint16_t* keys, uint16_t* values) {
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t t = 0; t < s.T; ++t) {
+      const int64_t slot = lengths[b] + t;
+      for (int64_t g = 0; g < s.n_kv; ++g) {
+        const int64_t dst = ((b * s.n_kv + g) * s.C + slot) * s.hd;
+        std::memcpy(keys + dst, k_new + ((b * s.T + t) * s.n_kv + g) * s.hd, s.hd * sizeof(uint16_t));
+        std::memcpy(values + dst, v_first + (b * s.T + t) * v_stride + g * s.hd, s.hd * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+using MatmulFn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>;
+using VnniFn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                   int64_t, bool)>;
+
+// The q4_1 product of the kernel this CPU runs: 0, q_avx2.cpp's q4_mm; 1, q4_amx.cpp's mm on int8
+// rows (AVX512-VNNI). Both quantize each row on its own and sum exact int32 dots per group.
+at::Tensor q4_mm(int64_t kernel, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros,
+                 int64_t out_features) {
+  if (kernel == 0) {
+    static MatmulFn op = c10::Dispatcher::singleton().findSchemaOrThrow("treeserve_avx2::q4_mm", "").typed<
+        at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+    return op.call(x, codes, scales_zeros, out_features);
+  }
+  static VnniFn op = c10::Dispatcher::singleton().findSchemaOrThrow("treeserve_q4::mm", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
+  return op.call(x, codes, scales_zeros, out_features, 2, true);
+}
+
+at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at::Tensor& tree_mask_in,
+               const at::Tensor& lengths_in, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
                const at::Tensor& rope_sin, at::TensorList weights, int64_t num_heads, int64_t num_kv_heads,
-               double eps) {
-  static auto q4_mm = c10::Dispatcher::singleton()
-                          .findSchemaOrThrow("treeserve_avx2::q4_mm", "")
-                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  static auto write_kv = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("treeserve_attn::write_kv", "")
-                             .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&)>();
-  static auto tree_decode = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("treeserve_attn::tree_decode", "")
-                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&)>();
+               double eps, int64_t kernel) {
   const int64_t num_layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(h_in.dim() == 3 && h_in.scalar_type() == at::kBFloat16, "treeserve_layers::run: h must be (B, T, D) bf16");
+  TORCH_CHECK(kernel == 0 || kernel == 1, "treeserve_layers::run: kernel must be 0 (AVX2) or 1 (AVX512-VNNI)");
   TORCH_CHECK(values.size() == keys.size() && static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers + 1,
               "treeserve_layers::run: ", kWeightsPerLayer, " weights a layer and the final norm's, per cache layer");
   const int64_t B = h_in.size(0), T = h_in.size(1), D = h_in.size(2), rows = B * T;
   TORCH_CHECK(D % 32 == 0, "treeserve_layers::run: the model's width must be a multiple of 32");
-  const int64_t hd = keys.empty() ? 0 : keys[0].size(3);
+  TORCH_CHECK(num_layers > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kMaxGroup,
+              "treeserve_layers::run: at most ", kMaxGroup, " query heads per KV head");
+  const int64_t hd = keys[0].size(3), capacity = keys[0].size(2);
+  TORCH_CHECK(hd % 8 == 0 && hd <= kMaxHeadDim, "treeserve_layers::run: the head size must be a multiple of 8, at most ",
+              kMaxHeadDim);
   const int64_t q_size = num_heads * hd, kv_size = num_kv_heads * hd, width = q_size + 2 * kv_size;
   TORCH_CHECK(positions_in.numel() == rows && rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
                   rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.size(1) == hd && hd % 2 == 0,
               "treeserve_layers::run: positions must be (B, T) and the rope tables (P, hd) float32");
+  const bool causal = tree_mask_in.numel() == 0;
+  TORCH_CHECK(causal || (tree_mask_in.scalar_type() == at::kBool && tree_mask_in.numel() == B * T * T),
+              "treeserve_layers::run: tree_mask must be (B, T, T) bool, or empty for a causal chain");
+  const at::Tensor tree_mask = causal ? tree_mask_in : tree_mask_in.contiguous();
+  const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  TORCH_CHECK(lengths.numel() == B, "treeserve_layers::run: lengths must be (B,)");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + T <= capacity, "treeserve_layers::run: a row's new tokens overflow the cache");
+  for (int64_t layer = 0; layer < num_layers; ++layer)
+    TORCH_CHECK(keys[layer].scalar_type() == at::kBFloat16 && values[layer].scalar_type() == at::kBFloat16 &&
+                    keys[layer].is_contiguous() && values[layer].is_contiguous() && keys[layer].dim() == 4 &&
+                    keys[layer].size(0) == B && keys[layer].size(1) == num_kv_heads && keys[layer].size(2) == capacity &&
+                    keys[layer].size(3) == hd && values[layer].sizes() == keys[layer].sizes(),
+                "treeserve_layers::run: each layer's keys and values must be contiguous (B, n_kv, C, hd) bf16");
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
@@ -152,10 +481,13 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "treeserve_layers::run: weights must be contiguous CPU tensors");
 
+  const AttnShape shape{B, T, num_heads, num_kv_heads, capacity, hd};
+  const bool* mask = causal ? nullptr : tree_mask.data_ptr<bool>();
   at::Tensor h = h_in.contiguous().clone();
   at::Tensor x = at::empty({rows, D}, h.options());
   at::Tensor q = at::empty({B, T, num_heads, hd}, h.options());
   at::Tensor k = at::empty({B, T, num_kv_heads, hd}, h.options());
+  at::Tensor attended = at::empty({rows, q_size}, h.options());
   auto* hp = reinterpret_cast<bf16*>(h.data_ptr());
   auto* xp = reinterpret_cast<bf16*>(x.data_ptr());
   const auto* cos_p = rope_cos.data_ptr<float>();
@@ -168,22 +500,24 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
                 "treeserve_layers::run: the norms' weights must be (D,) float32, and the linears' scales_zeros "
                 "(N/32, K/32, 2, 32) of q|k|v, o, gate|up and down");
     rms_norm(hp, w[0].data_ptr<float>(), rows, D, eps, xp);
-    const at::Tensor qkv = q4_mm.call(x, w[1], w[2], width);  // (rows, width)
+    const at::Tensor qkv = q4_mm(kernel, x, w[1], w[2], width);  // (rows, width)
     const auto* qkv_p = reinterpret_cast<const bf16*>(qkv.data_ptr());
     rope(qkv_p, width, 0, num_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(q.data_ptr()));
     rope(qkv_p, width, q_size, num_kv_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(k.data_ptr()));
-    const at::Tensor v = qkv.view({B, T, width}).narrow(2, q_size + kv_size, kv_size).view({B, T, num_kv_heads, hd});
-    at::Tensor layer_keys = keys[layer], layer_values = values[layer];
-    write_kv.call(layer_keys, layer_values, k, v, lengths);
-    const at::Tensor attended = tree_decode.call(q, layer_keys, layer_values, lengths, tree_mask);  // (B, T, H*hd)
-    const at::Tensor o = q4_mm.call(attended.view({rows, q_size}), w[3], w[4], D);
+    auto* layer_keys = bits(reinterpret_cast<bf16*>(keys[layer].data_ptr()));
+    auto* layer_values = bits(reinterpret_cast<bf16*>(values[layer].data_ptr()));
+    write_kv(bits(reinterpret_cast<const bf16*>(k.data_ptr())), bits(qkv_p) + q_size + kv_size, width, len, shape,
+             layer_keys, layer_values);
+    attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), layer_keys, layer_values, len, mask, shape,
+           bits(reinterpret_cast<bf16*>(attended.data_ptr())));
+    const at::Tensor o = q4_mm(kernel, attended, w[3], w[4], D);
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);
     rms_norm(hp, w[5].data_ptr<float>(), rows, D, eps, xp);
     const int64_t ffn = w[7].size(0) * 32 / 2;  // gate_up's scales_zeros: (2F/32, D/32, 2, 32)
-    const at::Tensor gate_up = q4_mm.call(x, w[6], w[7], 2 * ffn);
+    const at::Tensor gate_up = q4_mm(kernel, x, w[6], w[7], 2 * ffn);
     at::Tensor act = at::empty({rows, ffn}, h.options());
     silu_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, reinterpret_cast<bf16*>(act.data_ptr()));
-    const at::Tensor down = q4_mm.call(act, w[8], w[9], D);
+    const at::Tensor down = q4_mm(kernel, act, w[8], w[9], D);
     add_into(hp, reinterpret_cast<const bf16*>(down.data_ptr()), rows * D);
   }
   const at::Tensor& final_norm = weights[weights.size() - 1];
@@ -198,7 +532,8 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
 
 TORCH_LIBRARY(treeserve_layers, m) {
   m.def("run(Tensor h, Tensor positions, Tensor tree_mask, Tensor lengths, Tensor(a!)[] keys, Tensor(b!)[] values, "
-        "Tensor rope_cos, Tensor rope_sin, Tensor[] weights, int num_heads, int num_kv_heads, float eps) -> Tensor");
+        "Tensor rope_cos, Tensor rope_sin, Tensor[] weights, int num_heads, int num_kv_heads, float eps, int kernel) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treeserve_layers, CPU, m) { m.impl("run", run); }

@@ -1,15 +1,24 @@
-"""Every transformer block of the decode step in one C++ op (``decode_layers.cpp``), for the
-q4_1 format on the AVX2 kernels.
+"""Every transformer block in one C++ op (``decode_layers.cpp``): the q4_1 format's forward on
+CPUs with AVX2, for every shape serving runs (a decode step, a token tree, a batch of rows, a
+prefill of any length), with one answer per row.
 
-The compiled step (:class:`~treeserve.ops.decode_step.DecodeStep`) spends a third of a
-one-row step outside its kernels on a CPU of two cores: its Python wrapper calls ~330 fused
-kernels and extern ops a step. ``torch.ops.treeserve_layers.run`` calls the same matrix and
-attention ops from C++ and does the elementwise work between them itself, so the step needs
-neither Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
-linears on the AVX2 ``q4_mm`` packing without biases or hooks (a tensor-parallel shard's
-all-reduce keeps the compiled step), the tree-attention kernel loaded for its heads, bf16
-activations. :func:`run` takes :func:`~treeserve.ops.decode_step.blocks_hidden`'s
-arguments and returns its result.
+``torch.ops.treeserve_layers.run`` computes each row of its input the same way whatever else
+shares the call: the q4_1 products quantize each row on its own and sum exact int32 dots per
+group (the AVX2 kernel, or ``q4_amx``'s int8 rows on AVX512-VNNI: :func:`kernel_of`); the norms,
+RoPE, SiLU and residual adds work row by row in a fixed order; and the attention sums over each
+token's visible keys in an order fixed by their place in its own sequence (see the .cpp). So a
+token's logits are the same bits in a one-token step, a chain, a tree, a batch of 64 rows or a
+prefill, and speculation, batching and prefill chunking never change a greedy answer
+(``tests/ops/test_row_invariance.py``). The op is built for AVX2 only, so its own code is the
+same on every x86 host; its products are those of the host's kernel (each path's invariance is
+tested, not their agreement with each other).
+
+It also spares the compiled step's Python wrapper (~330 calls a step), so q4_1 needs neither
+Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
+linears on the ``q4_amx`` packing with one of the two int8-row kernels, without biases or hooks
+(a tensor-parallel shard's all-reduce keeps the compiled step), bf16 activations, a head size
+that is a multiple of 8 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
+:func:`~treeserve.ops.decode_step.blocks_hidden`'s arguments and returns its result.
 
 Built once per machine (:mod:`cpp_build`) after the ops it calls are loaded.
 """
@@ -23,23 +32,26 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from treeserve.ops.kernels import avx2, cpp_build, tree_attention_cpu
+from treeserve.ops.kernels import avx2, cpp_build
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
 FLAGS = avx2.FLAGS
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+"""The op's limits: the head size (a multiple of 8) and the query heads per KV head."""
 
 _lock = threading.Lock()
 _loaded: bool | None = None
 
 
 def available() -> bool:
-    """True when the op is built and loaded here (which needs the AVX2 matrix kernel and the
-    CPU tree-attention kernel loaded first)."""
+    """True when the op is built and loaded here (a CPU with AVX2, FMA and F16C, where the AVX2
+    matrix kernel loads, and a C++ compiler)."""
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = False
-            if avx2.loaded() and tree_attention_cpu.available():
+            if avx2.loaded():
                 path = cpp_build.build(SOURCE, FLAGS)
                 if path is not None:
                     torch.ops.load_library(str(path))  # registers treeserve_layers::run
@@ -47,28 +59,40 @@ def available() -> bool:
         return _loaded
 
 
-def fits(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s blocks can run on the op (see the module docstring)."""
+def kernel_of(model: torch.nn.Module) -> int | None:
+    """The op's ``kernel`` argument for ``model``'s q4_1 linears: 0 where they run the AVX2
+    kernel, 1 where they run ``q4_amx``'s int8 rows (AVX512-VNNI); None where they run neither
+    (torch's int4 kernel, or bf16 rows on AMX tiles), or are not all alike."""
     from treeserve.ops.formats import Int4Linear
     from treeserve.ops.model import Block, Transformer
 
     model = cast(Transformer, model)
-    config = model.config
-    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        return False
+    kinds = set()
     for module in model.layers:
         block = cast(Block, module)
-        linears = (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)
-        if not all(isinstance(m, Int4Linear) and m.avx2 and m.bias is None and m.amx_codes is not None
-                   for m in linears):
-            return False
+        for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
+            if not isinstance(m, Int4Linear) or m.amx_codes is None or m.bias is not None:
+                return None
+            kinds.add(0 if m.avx2 else 1 if m.int8_rows else None)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def fits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s blocks can run on the op (see the module docstring)."""
+    from treeserve.ops.model import Block, Transformer
+
+    model = cast(Transformer, model)
+    config = model.config
+    if model.dtype != torch.bfloat16 or model.device.type != "cpu" or kernel_of(model) is None:
+        return False
+    if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM or config.num_heads // config.num_kv_heads > MAX_GROUP:
+        return False
+    for module in model.layers:
         # A hook (tensor parallelism's all-reduce after o_proj and down_proj) would not run.
-        if any(m._forward_hooks or m._forward_pre_hooks for m in block.modules()):
+        if any(m._forward_hooks or m._forward_pre_hooks for m in cast(Block, module).modules()):
             return False
-    # Built only now, for a model that can take it: an AVX-512 CPU (its linears on the AMX
-    # kernel's paths) never compiles it.
-    return available() and tree_attention_cpu.fits(model.device, model.dtype, config.num_heads, config.num_kv_heads,
-                                                    config.head_dim)
+    # Built only now, for a model that can take it.
+    return available()
 
 
 def weights(model: torch.nn.Module) -> list[Tensor]:
@@ -93,13 +117,18 @@ def weights(model: torch.nn.Module) -> list[Tensor]:
     return out
 
 
-def run(model: torch.nn.Module, weight_list: list[Tensor], h: Tensor, positions: Tensor, tree_mask: Tensor,
-        lengths: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+def run(model: torch.nn.Module, weight_list: list[Tensor], h: Tensor, positions: Tensor, tree_mask: Tensor | None,
+        lengths: Tensor, keys: list[Tensor], values: list[Tensor], kernel: int) -> Tensor:
     """The final-normed hidden states ``(B, T, D)`` of every block over ``h``, writing the new
     K/V at slots ``lengths[b] + t`` (the arguments of
-    :func:`~treeserve.ops.decode_step.blocks_hidden`; ``weight_list`` from :func:`weights`)."""
+    :func:`~treeserve.ops.decode_step.blocks_hidden`, but ``tree_mask`` None for a causal chain
+    of any length; ``weight_list`` from :func:`weights`, ``kernel`` from :func:`kernel_of`)."""
     config = model.config  # type: ignore[attr-defined]
+    mask = _NO_MASK if tree_mask is None else tree_mask
     out: Tensor = torch.ops.treeserve_layers.run(
-        h, positions, tree_mask, lengths, keys, values, model.rope_cos, model.rope_sin, weight_list,  # type: ignore[attr-defined]
-        config.num_heads, config.num_kv_heads, float(config.norm_eps))
+        h, positions, mask, lengths, keys, values, model.rope_cos, model.rope_sin, weight_list,  # type: ignore[attr-defined]
+        config.num_heads, config.num_kv_heads, float(config.norm_eps), kernel)
     return out
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)

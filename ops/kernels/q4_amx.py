@@ -11,6 +11,10 @@ about six times one row) and took 1.01-1.24x the vector path's time for one row
 (``bench/q4_kernel.py``, seven runs, median 1.09x); it stays the format's fallback where this
 one cannot run.
 
+The format now takes the int8 rows below on every CPU with AVX512-VNNI, AMX hosts included
+(:func:`int8_rows`): their sums are the same bits at every row count, the bf16 paths' are not,
+and the format promises one answer per row. The bf16 paths stay in the op (and its tests).
+
 Without AMX tiles (a CPU without them, or a VM that hides them) the bf16 dot products bound
 every row count: ``vdpbf16ps`` does 32 products in 1.05 ns a core here, so 16 rows cost 6.4x
 one row and a 16-node tree 5.8x a decode step. There the format multiplies by **int8 rows**
@@ -90,11 +94,12 @@ def tiles() -> bool:
 
 def int8_rows() -> bool:
     """True when the q4_1 format multiplies by int8 rows here (:func:`mm`'s ``int8_rows``): the
-    kernel runs, this process has no AMX tiles, and the CPU has AVX512-VNNI. Where tiles run,
-    the format keeps bf16 rows (the vector path for one row, tiles from :data:`MIN_ROWS`). The
-    AVX2 kernel (:func:`avx2`) always multiplies by int8 rows."""
+    kernel runs and the CPU has AVX512-VNNI, with or without AMX tiles. The int8 rows give a row
+    the same bits at every row count, which the bf16 paths (the vector path for one row, tiles
+    from :data:`MIN_ROWS`) do not: the format's one answer needs them. The AVX2 kernel
+    (:func:`avx2`) always multiplies by int8 rows."""
     mask = _loaded()
-    return bool(mask & cpp_build.VECTORS and mask & cpp_build.VNNI and not mask & cpp_build.TILES) or avx2()
+    return bool(mask & cpp_build.VECTORS and mask & cpp_build.VNNI) or avx2()
 
 
 def supports(out_features: int, in_features: int) -> bool:

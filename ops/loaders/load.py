@@ -330,9 +330,10 @@ def prepare_for_serving(
     ``<cache>/compiled`` (107-116 s on this project's 2 cores); later starts load it in seconds. If
     compiling fails (no C++ compiler, say), the model serves eagerly and a warning is logged.
     Where the model fits :meth:`~treeserve.ops.decode_step.DecodeStep.fuse` (q4_1 on a CPU with
-    AVX2 and no AVX-512) its blocks run in one C++ op instead, whatever ``compile_decode`` says:
-    nothing is compiled, and a one-row step's blocks took 4.2 ms against the compiled step's
-    5.5 on the 2-core AVX2 host (``bench/fused_step.py``).
+    AVX2) every forward, prefills included, runs its blocks in one C++ op instead, whatever
+    ``compile_decode`` says: nothing is compiled, and each row's logits are the same bits
+    whatever shares its forward (so speculation, batching and compiling never change a greedy
+    answer).
     float32 stays eager everywhere: it is the exact reference the losslessness tests compare.
     """
     from treeserve.ops.decode_step import DecodeStep, artifact_name
@@ -359,7 +360,7 @@ def prepare_for_serving(
     if fmt is WeightFormat.FLOAT32 or model.device.type != "cpu":
         return model
     fused = DecodeStep(model)
-    if fused.fuse():  # the q4_1 format on the AVX2 kernels: one C++ op, nothing to compile
+    if fused.fuse():  # the q4_1 format on a CPU with AVX2: one C++ op for every forward, nothing to compile
         model.decode_step = fused
         return model
     if not compile_decode:

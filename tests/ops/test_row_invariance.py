@@ -1,0 +1,163 @@
+"""One answer in q4_1: every forward gives a request's row the same bits as the one-token step
+computes for it alone (the checks of ``row_invariance.py``: chains of 3/16/64, a 16-node tree,
+prefills whole and in pieces, a batched prefill, steps among 1/3/16/64 rows).
+
+On the real default model (marked ``model``) on this host's own ISA path and on every lesser
+one it can force (``TREESERVE_ISA``, each in a process of its own, since a process loads its
+kernels once), with ``compile_decode`` on and off; on a tiny random model for the fast path.
+
+The checks catch a row-count-dependent kernel: a head that sums its products in another order
+above four rows (the same weights, a reordered reduction, as a GEMM that picks its kernel by
+shape does) fails the batched ones. The previous forward (bf16 tiles for prefill attention, a
+slot-ordered softmax, inductor's fusions) failed ten of the fourteen checks on the default model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from treeserve.ops.decode_step import DecodeStep
+from treeserve.ops.formats import apply_format
+from treeserve.ops.kernels import cpp_build
+from treeserve.ops.model import Transformer
+
+from . import row_invariance
+from .conftest import make_tiny_model
+from .row_invariance import PROMPT, other_prompts
+
+HERE = Path(__file__).parent
+
+
+class ReorderedHead(nn.Module):
+    """A deliberately row-count-dependent head: above four rows it sums each row's products in
+    two halves of K and adds them (the same weights and products, another order)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.reshape(-1, x.shape[-1]).shape[0] <= 4:
+            return self.inner(x)
+        half = x.shape[-1] // 2
+        low, high = x.clone(), x.clone()
+        low[..., half:] = 0
+        high[..., :half] = 0
+        return self.inner(low) + self.inner(high)
+
+
+def _host_levels() -> list[str]:
+    flags = cpp_build.cpu_flags()
+    levels = ["avx2"] if {"avx2", "fma", "f16c"} <= flags else []
+    if {"avx512bw", "avx512_bf16", "avx512_vnni"} <= flags:
+        levels.append("avx512")
+    if {"amx_tile", "amx_bf16"} <= flags:
+        levels.append("amx")
+    return levels
+
+
+# ------------------------------------------------------------------ a tiny model: the fast path
+
+def tiny_q4() -> Transformer:
+    model = apply_format(make_tiny_model(5, vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                         head_dim=16, ffn_dim=128, max_seq_len=512), "q4_1")
+    step = DecodeStep(model)
+    if not step.fuse():
+        pytest.skip("the fused q4_1 forward needs AVX2, FMA and F16C and a C++ compiler")
+    model.decode_step = step
+    return model
+
+
+def test_tiny_q4_1_forward_is_row_invariant() -> None:
+    model = tiny_q4()
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert row_invariance.failures(model, prompt, other_prompts(256)) == []
+
+
+def test_a_row_count_dependent_head_fails_the_checks() -> None:
+    model = tiny_q4()
+    model.head_kernel = ReorderedHead(model.head_kernel)
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    failed = row_invariance.failures(model, prompt, other_prompts(256))
+    assert "chain of 16" in failed and "step among 16 rows" in failed and "step among 64 rows" in failed
+    assert "step among 1 rows" not in failed  # at most four rows it is the real head
+
+
+# ------------------------------------------------------------------ the default model
+
+@pytest.fixture(scope="module")
+def q4_model(default_model_cache_dir: Path):  # type: ignore[no-untyped-def]
+    from treeserve.models import DEFAULT_MODEL, load_model
+
+    loaded = load_model(DEFAULT_MODEL, weight_format="q4_1", compile_decode=False, cache_dir=default_model_cache_dir)
+    step = loaded.model.decode_step
+    if not isinstance(step, DecodeStep) or not step.is_fused:
+        pytest.skip("the fused q4_1 forward needs AVX2, FMA and F16C and a C++ compiler")
+    return loaded
+
+
+@pytest.mark.model
+def test_default_model_forward_is_row_invariant(q4_model) -> None:  # type: ignore[no-untyped-def]
+    prompt = q4_model.tokenizer.encode(PROMPT)
+    assert row_invariance.failures(q4_model.model, prompt, other_prompts(q4_model.config.vocab_size)) == []
+
+
+@pytest.mark.model
+def test_default_model_row_count_dependent_head_is_caught(q4_model) -> None:  # type: ignore[no-untyped-def]
+    model = q4_model.model
+    real = model.head_kernel
+    model.head_kernel = ReorderedHead(real)
+    try:
+        failed = row_invariance.failures(model, q4_model.tokenizer.encode(PROMPT), other_prompts(model.config.vocab_size))
+    finally:
+        model.head_kernel = real
+    assert {"chain of 16", "16-node tree", "step among 16 rows", "step among 64 rows"} <= set(failed)
+
+
+@pytest.mark.model
+def test_compiling_changes_nothing_in_q4_1(q4_model, default_model_cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """``compile_decode`` (``--compile yes``) serves the same fused op: nothing is compiled, and
+    the logits of a prefill, a tree and a step are the same bits."""
+    from treeserve.models import DEFAULT_MODEL, load_model
+
+    compiled = load_model(DEFAULT_MODEL, weight_format="q4_1", compile_decode=True, cache_dir=default_model_cache_dir)
+    step = compiled.model.decode_step
+    assert isinstance(step, DecodeStep) and step.is_fused and not step.is_compiled
+    prompt = q4_model.tokenizer.encode(PROMPT)
+    eager = row_invariance.reference(q4_model.model, prompt, 8)
+    again = row_invariance.reference(compiled.model, prompt, 8)
+    assert torch.equal(eager[0], again[0]) and eager[1] == again[1] and torch.equal(eager[2], again[2])
+
+
+LESSER = [level for level in _host_levels()[:-1]]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("level", LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))])
+def test_lesser_isa_paths_are_row_invariant(level: str, default_model_cache_dir: Path) -> None:
+    """The same checks in a process whose kernels are capped at ``level`` (its q4_1 product:
+    the AVX2 kernel for ``avx2``, int8 rows on AVX512-VNNI for ``avx512``)."""
+    script = (
+        "import json, sys, torch\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import row_invariance as t\n"
+        "from treeserve.models import DEFAULT_MODEL, load_model\n"
+        f"m = load_model(DEFAULT_MODEL, weight_format='q4_1', compile_decode=False, cache_dir={str(default_model_cache_dir)!r})\n"
+        "step = m.model.decode_step\n"
+        "failed = t.failures(m.model, m.tokenizer.encode(t.PROMPT), t.other_prompts(m.config.vocab_size))\n"
+        "print(json.dumps({'kernel': getattr(step, '_kernel', None), 'failed': failed}))\n"
+    )
+    env = {**os.environ, cpp_build.ISA_ENV: level}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["kernel"] == (0 if level == "avx2" else 1)
+    assert result["failed"] == []
