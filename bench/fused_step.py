@@ -1,7 +1,7 @@
 """The decode step's blocks in one C++ op against the compiled step, side by side.
 
-Where q4_1 runs on the AVX2 kernels, ``load_model`` attaches the fused step
-(``ops/kernels/decode_layers.cpp``); this bench also builds the ``torch.compile`` step the
+Where q4_1 runs on its int8-row kernels (AVX2 or AVX512-VNNI), ``load_model`` attaches the
+fused step (``ops/kernels/decode_layers.cpp``); this bench also builds the ``torch.compile`` step the
 format used before (compiled once into the usual cache, 1-3 min, then loaded) and times both on
 the same caches in one process, rounds interleaved: one row, trees of 4 and 16 nodes over one
 row, and 16 and 64 rows of one token, each over 256 cached tokens. The hidden states only (the
@@ -44,7 +44,7 @@ def main() -> None:
     model = load_model(DEFAULT_MODEL, weight_format="q4_1").model
     fused = model.decode_step
     if not isinstance(fused, DecodeStep) or not fused.is_fused:
-        raise SystemExit("the fused step does not run here (it needs q4_1 on a CPU with AVX2 and no AVX-512)")
+        raise SystemExit("the fused step does not run here (it needs q4_1 on a CPU with AVX2 and a C++ compiler)")
     compiled = DecodeStep(model, artifact=resolve_cache_dir(None) / "compiled" / artifact_name(model))
     started = time.perf_counter()
     compiled.prepare()

@@ -53,6 +53,10 @@ from treeserve.ops.tree_attention import attention_under_mask, build_attention_m
 
 logger = logging.getLogger(__name__)
 
+PREFILL_PIECE = 256
+"""New tokens per row the fused op takes in one call of a causal chain (longer prefills run in
+pieces of it)."""
+
 MAX_NEW_TOKENS = 64
 """The most new tokens per row the step takes (the verifier's largest trees); longer inputs are
 prefills, which the eager forward runs with torch's flash attention."""
@@ -287,7 +291,8 @@ class DecodeStep(CompiledStep):
     Writes each row's new K/V after its committed tokens and marks them pending, as
     ``Transformer.forward`` does. Compiled or eager as :class:`CompiledStep` says, or, after
     :meth:`fuse`, every block in one C++ op where the model's format and this CPU allow it.
-    Longer inputs (prefill) stay with the model's eager forward.
+    Longer inputs (prefill) stay with the model's eager forward, except once fused: the fused
+    op takes inputs of any length.
     """
 
     function = staticmethod(step_hidden)
@@ -348,8 +353,19 @@ class DecodeStep(CompiledStep):
             positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)
         cache.begin_write(num_new)
         assert self._fused is not None and self._kernel is not None
-        return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
-                                 cache.lengths, cache.keys, cache.values, self._kernel)
+        if tree_mask is not None or num_new <= PREFILL_PIECE:
+            return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
+                                     cache.lengths, cache.keys, cache.values, self._kernel)
+        # A long causal chain (a prefill) in pieces, each over the pieces before it as its
+        # prefix: the same bits (no row depends on the others), and the attention's partial sums
+        # stay proportional to a piece, not to the whole prompt.
+        pieces = []
+        for start in range(0, num_new, PREFILL_PIECE):
+            stop = min(num_new, start + PREFILL_PIECE)
+            pieces.append(decode_layers.run(
+                self.model, self._fused, self.model.embed_tokens(tokens[:, start:stop]), positions[:, start:stop], None,
+                cache.lengths + start, cache.keys, cache.values, self._kernel))
+        return torch.cat(pieces, dim=1)
 
 
 def begin_step(cache: KVCache, batch: int, num_new: int, tree_mask: Tensor | None,

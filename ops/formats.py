@@ -31,7 +31,8 @@ decoding up to float summation order.
 **One answer in q4_1.** Where its kernels run (x86 with AVX2 or AVX512-VNNI), q4_1 rounds
 each group of 32 activations to int8 at every row count, so a row's products are the same bits
 at every row count (AMX hosts too: the bf16 tile path, whose sums depend on the shape, is not
-used), the Q8_0 head likewise, and every forward runs the one op of ``kernels/decode_layers``,
+used), the Q8_0 head runs its vector path at every row count for the same reason, and every
+forward runs the one op of ``kernels/decode_layers``,
 whose norms and attention do not depend on the other rows either: greedy speculation,
 batching, prefill chunking and ``--compile`` give the same tokens as incremental decoding, bit
 for bit (``tests/ops/test_row_invariance.py``). bfloat16 and int8 do not promise this yet:
@@ -344,7 +345,10 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features, avx2=self.avx2)
+        # The vector path at every row count, tiles or not: a row's logits the same bits in a
+        # step, a tree, a batch or a prefill.
+        out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features,
+                        min_rows=q8_amx.VECTORS_ONLY, avx2=self.avx2)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(self.out_dtype)

@@ -212,7 +212,8 @@ class Transformer(nn.Module):
         self.head_kernel: nn.Module | None = None  # set by formats.apply_format: the LM head in the format
         self.weight_format: str | None = None  # the formats.WeightFormat value once applied
         # decode_step.DecodeStep, attached for serving: runs every forward of at most
-        # decode_step.max_new new tokens per row (decode steps and trees); see _hidden_states.
+        # decode_step.max_new new tokens per row (decode steps and trees), or, once fused (q4_1),
+        # every forward; see _hidden_states.
         self.decode_step: DecodeStep | None = None
         # Under init=False from_state_dict sets the tables (torch.arange on meta would also
         # import torch._dynamo).

@@ -396,7 +396,8 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
           for (int64_t d = 0; d < hd; d += 8)
             _mm256_store_ps(total + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_set1_ps(factor), _mm256_load_ps(total + d)));
         }
-        const __m256 inverse = _mm256_set1_ps(1.0f / sum);
+        // A token that sees no key (never served: a pad sees itself) gets zeros; NaN stays NaN.
+        const __m256 inverse = _mm256_set1_ps(sum == 0.0f ? 0.0f : 1.0f / sum);
         uint16_t* o = out + (bt * s.H + g * G + r) * hd;
         for (int64_t d = 0; d < hd; d += 8)
           _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d), bf16_round8(_mm256_mul_ps(_mm256_load_ps(total + d), inverse)));

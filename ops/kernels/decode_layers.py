@@ -35,7 +35,9 @@ from torch import Tensor
 from treeserve.ops.kernels import avx2, cpp_build
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
-FLAGS = avx2.FLAGS
+FLAGS = (*avx2.FLAGS, "-ffp-contract=off")
+"""AVX2 only, on every host, so the op's own code is the same everywhere; no contraction of its
+few scalar multiply-adds into FMAs at the compiler's choice (its vector FMAs are written out)."""
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
 """The op's limits: the head size (a multiple of 8) and the query heads per KV head."""

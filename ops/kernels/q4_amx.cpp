@@ -24,8 +24,9 @@
 // The op treeserve_q4::mm (registered below) is what the q4_1 format calls at every shape: under
 // min_rows rows the vector path, from min_rows rows on the tiles (where this process has none,
 // the vector path at every row count); with int8_rows, the int8-row path (below) at every row
-// count, which the format asks for where there are no tiles. Both prefetch the codes a few
-// groups ahead (without it a one-row step read them 1.2x slower, measured).
+// count, which the format asks for wherever the CPU has AVX512-VNNI (a row's sums are then the
+// same bits at every row count). Both prefetch the codes a few groups ahead (without it a
+// one-row step read them 1.2x slower, measured).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

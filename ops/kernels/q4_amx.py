@@ -28,8 +28,9 @@ and a row's result is the same bits at every row count, so speculative and incre
 decoding still compute alike.
 
 The source is compiled once per machine (about 10 s; see :mod:`cpp_build`). It registers the
-dispatcher op ``torch.ops.treeserve_q4.mm``, which picks the path by row count, so an eager
-forward and the compiled decode step call it alike. :func:`available` says whether it can run
+dispatcher op ``torch.ops.treeserve_q4.mm``, which picks the path by row count (or takes the
+int8 rows at every row count), so an eager forward, the compiled decode step and the fused op
+of ``decode_layers`` call it alike. :func:`available` says whether it can run
 here: a CPU with AVX512-BF16, a compiler, and a successful build; :func:`tiles` whether the
 tile path does too (AMX-BF16, granted by the OS; a VM may hide it). On a CPU without AVX-512
 the same packing runs on the AVX2 kernel (:mod:`~treeserve.ops.kernels.avx2`, int8 rows;

@@ -90,6 +90,13 @@ def pack(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return packed, scales
 
 
+VECTORS_ONLY = 1 << 62
+"""A ``min_rows`` no batch reaches: the AVX-512 path at every row count, whose sums are the same
+bits for a row whatever the row count (the tiles sum a group's even and odd products in another
+order). The int formats' head passes it, so that a row's logits do not depend on the rows beside
+it (the format's one answer, ``formats.py``)."""
+
+
 def mm(x: Tensor, codes: Tensor, scales: Tensor, out_features: int, min_rows: int = MIN_ROWS,
        avx2: bool = False) -> Tensor:
     """``x @ w.T`` for bf16 rows ``x`` ``(M, K)``: float32 ``(M, N)``, on :func:`pack`'s buffers

@@ -51,10 +51,11 @@ def _prefilled(model: Transformer, prompt: list[int], capacity: int) -> object:
 
 
 def failures(model: Transformer, prompt: list[int], others: list[list[int]], steps: int = 64) -> list[str]:
-    """Every comparison whose logits differ in any bit: chains of 3, 16 and 64 tokens, a 16-node
-    tree, prefills of the prompt with part of the continuation, a batched prefill beside other
-    prompts, and one-token steps among :data:`ROW_COUNTS` rows (``others``: at least 63 other
-    prompts, of other lengths)."""
+    """Every comparison whose logits differ in any bit: chains of 3, 16 and 64 tokens, trees of
+    16 and 40 nodes, prefills of the prompt with part of the continuation (whole and in two
+    pieces), a batched prefill beside other prompts, and one-token steps among
+    :data:`ROW_COUNTS` rows (``others``: at least 63 other prompts, of other lengths). A prompt
+    of more than 128 tokens takes the attention across its segments of 128 keys."""
     last, cont, want = reference(model, prompt, steps)
     capacity = len(prompt) + steps + 80
     failed: list[str] = []
@@ -68,17 +69,19 @@ def failures(model: Transformer, prompt: list[int], others: list[list[int]], ste
         cache = _prefilled(model, prompt, capacity)
         check(f"chain of {length}", model(torch.tensor([cont[:length]]), cache)[0], want[:length])
 
-    # A 16-node tree: the continuation's first 6 tokens as one path, ten distractors on branches.
-    parents = [-1, 0, 1, 2, 3, 4, 0, 0, 1, 6, 2, 8, 3, 4, 12, 5]
-    on_path = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
+    # Trees: the continuation's first tokens as one path, distractors on branches: 16 nodes
+    # (one chunk of the attention's tokens) and 40 (three chunks).
     generator = torch.Generator().manual_seed(len(prompt))
-    distractors = torch.randint(3, model.config.vocab_size, (len(parents),), generator=generator).tolist()
-    nodes = [cont[on_path[i]] if i in on_path else distractors[i] for i in range(len(parents))]
-    mask = tree_mask_from_parents(torch.tensor(parents))[None]
-    depth = mask.sum(-1) - 1  # (1, T)
-    cache = _prefilled(model, prompt, capacity)
-    tree = model(torch.tensor([nodes]), cache, tree_mask=mask, positions=len(prompt) + depth)[0]
-    check("16-node tree", tree[list(on_path)], want[list(on_path.values())])
+    for num_nodes, path in ((16, 6), (40, 10)):
+        parents = [-1] + list(range(path - 1)) + [
+            int(torch.randint(0, i, (1,), generator=generator)) for i in range(path, num_nodes)]
+        distractors = torch.randint(3, model.config.vocab_size, (num_nodes,), generator=generator).tolist()
+        nodes = cont[:path] + distractors[path:]
+        mask = tree_mask_from_parents(torch.tensor(parents))[None]
+        depth = mask.sum(-1) - 1  # (1, T)
+        cache = _prefilled(model, prompt, capacity)
+        tree = model(torch.tensor([nodes]), cache, tree_mask=mask, positions=len(prompt) + depth)[0]
+        check(f"{num_nodes}-node tree", tree[:path], want[:path])
 
     # Prefills: the prompt with the first k continuation tokens, in one forward and split in two.
     for k in (1, 17, steps - 1):

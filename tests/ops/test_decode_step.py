@@ -219,7 +219,7 @@ def test_compiled_step_matches_eager_saves_and_loads(tmp_path: Path, name: str, 
 
 @pytest.mark.parametrize("head_dim", [8, 16])
 def test_fused_step_matches_eager_and_writes_the_same_cache(head_dim: int) -> None:
-    """Every block in one C++ op (the q4_1 format on the AVX2 kernels): the eager step's logits
+    """Every block in one C++ op (the q4_1 format on the int8-row kernels): the eager step's logits
     within bf16 rounding, for one token per row, ragged rows and trees, the same new K/V at each
     row's own slots and nothing else of the cache touched. A wrong rotation, slot, mask or
     residual differs by the logits' spread. Head sizes 8 and 16: half a head under and at a
@@ -228,7 +228,7 @@ def test_fused_step_matches_eager_and_writes_the_same_cache(head_dim: int) -> No
     model = apply_format(make_tiny_model(8, **dims), "q4_1")
     fused = DecodeStep(model)
     if not fused.fuse():
-        pytest.skip("needs the AVX2 q4_1 kernels (a CPU without AVX-512), the CPU tree-attention kernel and a C++ compiler")
+        pytest.skip("needs the q4_1 int8-row kernels (AVX2, or AVX512-VNNI) and a C++ compiler")
     assert fused.is_fused and not fused.is_compiled
     fused.prepare()  # nothing to compile
     assert fused.compile_seconds is None
