@@ -375,11 +375,10 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
         }
       }
     }
-  }
-  // Merge each token's segments in order.
-  at::parallel_for(0, tokens * s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    // Then (after the loop's barrier) merge each token's segments in order, in the same region.
     alignas(32) float total[kMaxHeadDim];
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * s.n_kv; ++item) {
       const int64_t bt = item / s.n_kv, g = item % s.n_kv;
       const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
       const float* first = parts.data() + (first_part[bt] + g * segments) * part_floats;
@@ -403,7 +402,7 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
           _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d), bf16_round8(_mm256_mul_ps(_mm256_load_ps(total + d), inverse)));
       }
     }
-  });
+  }
 }
 
 // Store the new tokens' keys (B, T, n_kv, hd) and values (rows of width `stride` from
