@@ -340,7 +340,6 @@ class DecodeStep(CompiledStep):
         return self._call(tokens.contiguous(), positions, tree_mask, cache.lengths, cache.keys, cache.values,
                           num_slots)
 
-
     def _run_fused(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
         """The fused op over any number of new tokens a row (a prefill too): a causal chain
         when ``tree_mask`` is None, with no ``(T, T)`` mask built."""

@@ -153,9 +153,11 @@ void silu_mul(const bf16* gate_up, int64_t rows, int64_t F, bf16* out) {
 // All in float32; bf16 inputs widen exactly, and the output is rounded to nearest even.
 //
 // Work: a unit is (row, a chunk of kTokenChunk new tokens, KV head, segment) and takes the
-// chunk's tokens that reach that segment, with their H / n_kv query heads. A block of the committed prefix (or, for a
-// causal chain, any block: key i is slot i) is widened and transposed once for all of them;
-// a block holding tree slots is gathered per token. Either way a token's arithmetic is the
+// chunk's tokens that reach that segment, with their H / n_kv query heads; units are handed out
+// one at a time, and each token's segments are then merged in the same parallel region. A
+// block of the committed prefix (or, for a causal chain, any block: key i is slot i) is widened
+// and transposed once for all of the unit's tokens; a block holding tree slots is gathered per
+// token. Either way a token's arithmetic is the
 // same, so sharing changes what is read, not what is computed.
 constexpr int64_t kKeyBlock = 16;
 constexpr int64_t kSegment = 128;  // a multiple of kKeyBlock

@@ -1,15 +1,17 @@
 """One answer in q4_1: every forward gives a request's row the same bits as the one-token step
-computes for it alone (the checks of ``row_invariance.py``: chains of 3/16/64, a 16-node tree,
-prefills whole and in pieces, a batched prefill, steps among 1/3/16/64 rows).
+computes for it alone (the checks of ``row_invariance.py``: chains of 3/16/64, trees of 16 and
+40 nodes, prefills whole and in pieces, a batched prefill, steps among 1/3/16/64 rows).
 
 On the real default model (marked ``model``) on this host's own ISA path and on every lesser
 one it can force (``TREESERVE_ISA``, each in a process of its own, since a process loads its
-kernels once), with ``compile_decode`` on and off; on a tiny random model for the fast path.
+kernels once), with ``compile_decode`` on and off; on a tiny random model for the fast path,
+with prompts that stay in one of the attention's 128-key segments and that cross two.
 
 The checks catch a row-count-dependent kernel: a head that sums its products in another order
 above four rows (the same weights, a reordered reduction, as a GEMM that picks its kernel by
 shape does) fails the batched ones. The previous forward (bf16 tiles for prefill attention, a
-slot-ordered softmax, inductor's fusions) failed ten of the fourteen checks on the default model.
+slot-ordered softmax, inductor's fusions) failed ten of the thirteen checks it then had (all
+but the 40-node tree) on the default model.
 """
 
 from __future__ import annotations
