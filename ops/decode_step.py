@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -268,10 +269,13 @@ class CompiledStep:
             torch._dynamo.mark_dynamic(tensor, 2)
         return example_cache, positions, tree_mask, num_slots
 
-    def _check(self, tokens: Tensor, cache: KVCache) -> None:
-        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or not 1 <= tokens.shape[1] <= self.max_new:
-            raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and 1 <= T <= {self.max_new}, "
-                             f"got {tuple(tokens.shape)}")
+    def _check(self, tokens: Tensor, cache: KVCache, max_new: int | None = None) -> None:
+        """Raise ``ValueError`` unless ``tokens`` is ``(B, T)`` with ``1 <= T <= max_new``
+        (:attr:`max_new` by default; ``sys.maxsize``: any length) and ``cache`` is this model's."""
+        limit = self.max_new if max_new is None else max_new
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or not 1 <= tokens.shape[1] <= limit:
+            shown = "1 <= T" if limit == sys.maxsize else f"1 <= T <= {limit}"
+            raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and {shown}, got {tuple(tokens.shape)}")
         if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
             raise ValueError(f"the cache does not belong to this {self.what}'s model")
 
@@ -343,10 +347,7 @@ class DecodeStep(CompiledStep):
     def _run_fused(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:
         """The fused op over any number of new tokens a row (a prefill too): a causal chain
         when ``tree_mask`` is None, with no ``(T, T)`` mask built."""
-        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] < 1:
-            raise ValueError(f"tokens must be (B, T) with B = {cache.batch_size} and T >= 1, got {tuple(tokens.shape)}")
-        if cache.dtype != self.model.dtype or cache.num_layers != len(self.model.layers):
-            raise ValueError(f"the cache does not belong to this {self.what}'s model")
+        self._check(tokens, cache, sys.maxsize)
         num_new = tokens.shape[1]
         if positions is None:
             positions = cache.lengths[:, None] + torch.arange(num_new, device=cache.lengths.device)

@@ -34,9 +34,9 @@ at every row count (AMX hosts too: the bf16 tile path, whose sums depend on the 
 used), the Q8_0 head runs its vector path at every row count for the same reason, and every
 forward runs the one op of ``kernels/decode_layers``, whose norms and attention do not depend
 on the other rows either: greedy speculation, batching, prefill chunking and ``--compile`` give
-the same tokens as incremental decoding, bit for bit (``tests/ops/test_row_invariance.py``). bfloat16 and int8 do not promise this yet:
-oneDNN's and torch's GEMMs change their summation order with the row count; float32 agrees
-across shapes to about 1e-4 in logits.
+the same tokens as incremental decoding, bit for bit (``tests/ops/test_row_invariance.py``).
+bfloat16 and int8 do not promise this yet: oneDNN's and torch's GEMMs change their summation
+order with the row count; float32 agrees across shapes to about 1e-4 in logits.
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and

@@ -9,8 +9,9 @@
 // with their buffers) and its prologue reads ~130 tensor sizes; 1.5-2 ms a step on this
 // project's 2-core AVX2 host (bench/RESULTS.md). Here one op runs every block: the matrix
 // products are the q4_1 format's own op, called through the dispatcher without Python
-// (kernel 0: treeserve_avx2::q4_mm; 1: treeserve_q4::mm on int8 rows, AVX512-VNNI), and the
-// attention and the small elementwise work between them are written out below.
+// (kernel 0: treeserve_avx2::q4_mm; 1: treeserve_q4::mm on int8 rows, AVX512-VNNI), the new
+// tokens' K/V are stored by treeserve_attn::write_kv, and the attention and the small
+// elementwise work between them are written out below.
 //
 // One answer per row. Nothing a row gets depends on the other rows, the number of new tokens,
 // the tree, or the threads: the products quantize each row to int8 per group on its own and
@@ -157,8 +158,8 @@ void silu_mul(const bf16* gate_up, int64_t rows, int64_t F, bf16* out) {
 // one at a time, and each token's segments are then merged in the same parallel region. A
 // block of the committed prefix (or, for a causal chain, any block: key i is slot i) is widened
 // and transposed once for all of the unit's tokens; a block holding tree slots is gathered per
-// token. Either way a token's arithmetic is the
-// same, so sharing changes what is read, not what is computed.
+// token. Either way a token's arithmetic is the same, so sharing changes what is read, not what
+// is computed.
 constexpr int64_t kKeyBlock = 16;
 constexpr int64_t kSegment = 128;  // a multiple of kKeyBlock
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
@@ -407,22 +408,6 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
   }
 }
 
-// Store the new tokens' keys (B, T, n_kv, hd) and values (rows of width `stride` from
-// `v_first`) at slots lengths[b] + t of the layer's cache.
-void write_kv(const uint16_t* k_new, const uint16_t* v_first, int64_t v_stride, const int64_t* lengths,
-              const AttnShape& s, uint16_t* keys, uint16_t* values) {
-  for (int64_t b = 0; b < s.B; ++b) {
-    for (int64_t t = 0; t < s.T; ++t) {
-      const int64_t slot = lengths[b] + t;
-      for (int64_t g = 0; g < s.n_kv; ++g) {
-        const int64_t dst = ((b * s.n_kv + g) * s.C + slot) * s.hd;
-        std::memcpy(keys + dst, k_new + ((b * s.T + t) * s.n_kv + g) * s.hd, s.hd * sizeof(uint16_t));
-        std::memcpy(values + dst, v_first + (b * s.T + t) * v_stride + g * s.hd, s.hd * sizeof(uint16_t));
-      }
-    }
-  }
-}
-
 using MatmulFn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>;
 using VnniFn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                                    int64_t, bool)>;
@@ -445,6 +430,10 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
                const at::Tensor& lengths_in, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
                const at::Tensor& rope_sin, at::TensorList weights, int64_t num_heads, int64_t num_kv_heads,
                double eps, int64_t kernel) {
+  static auto write_kv = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("treeserve_attn::write_kv", "")
+                             .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&)>();
   const int64_t num_layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(h_in.dim() == 3 && h_in.scalar_type() == at::kBFloat16, "treeserve_layers::run: h must be (B, T, D) bf16");
   TORCH_CHECK(kernel == 0 || kernel == 1, "treeserve_layers::run: kernel must be 0 (AVX2) or 1 (AVX512-VNNI)");
@@ -506,11 +495,11 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
     const auto* qkv_p = reinterpret_cast<const bf16*>(qkv.data_ptr());
     rope(qkv_p, width, 0, num_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(q.data_ptr()));
     rope(qkv_p, width, q_size, num_kv_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(k.data_ptr()));
-    auto* layer_keys = bits(reinterpret_cast<bf16*>(keys[layer].data_ptr()));
-    auto* layer_values = bits(reinterpret_cast<bf16*>(values[layer].data_ptr()));
-    write_kv(bits(reinterpret_cast<const bf16*>(k.data_ptr())), bits(qkv_p) + q_size + kv_size, width, len, shape,
-             layer_keys, layer_values);
-    attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), layer_keys, layer_values, len, mask, shape,
+    const at::Tensor v = qkv.view({B, T, width}).narrow(2, q_size + kv_size, kv_size).view({B, T, num_kv_heads, hd});
+    at::Tensor layer_keys = keys[layer], layer_values = values[layer];
+    write_kv.call(layer_keys, layer_values, k, v, lengths);
+    attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), bits(reinterpret_cast<const bf16*>(layer_keys.data_ptr())),
+           bits(reinterpret_cast<const bf16*>(layer_values.data_ptr())), len, mask, shape,
            bits(reinterpret_cast<bf16*>(attended.data_ptr())));
     const at::Tensor o = q4_mm(kernel, attended, w[3], w[4], D);
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);

@@ -32,7 +32,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from treeserve.ops.kernels import avx2, cpp_build
+from treeserve.ops.kernels import avx2, cpp_build, tree_attention_cpu
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
 FLAGS = (*avx2.FLAGS, "-ffp-contract=off")
@@ -48,12 +48,13 @@ _loaded: bool | None = None
 
 def available() -> bool:
     """True when the op is built and loaded here (a CPU with AVX2, FMA and F16C, where the AVX2
-    matrix kernel loads, and a C++ compiler)."""
+    matrix kernel and the CPU tree-attention kernel, whose ``write_kv`` it calls, load, and a
+    C++ compiler)."""
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = False
-            if avx2.loaded():
+            if avx2.loaded() and tree_attention_cpu.available():
                 path = cpp_build.build(SOURCE, FLAGS)
                 if path is not None:
                     torch.ops.load_library(str(path))  # registers treeserve_layers::run
