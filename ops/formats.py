@@ -21,7 +21,9 @@ q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q
 =========== ============ ==================================================================
 
 The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logits) on
-``kernels/q8_amx`` where that kernel (or, without AVX-512, its AVX2 twin) runs, else bfloat16.
+``kernels/q8_amx``'s packing where its kernels run, else bfloat16: on every CPU with AVX2 the
+int16-row kernel (``kernels/q_avx2.cpp``, faster than the AVX-512 fp32 path at every row count
+measured), else that AVX-512 path.
 
 **One set of weight values.** Every kernel of a format computes with the same weight values
 at every shape (one token, a tree, a batch): a format never switches to another
@@ -31,7 +33,7 @@ decoding up to float summation order.
 **One answer in q4_1.** Where its kernels run (x86 with AVX2 or AVX512-VNNI), q4_1 rounds
 each group of 32 activations to int8 at every row count, so a row's products are the same bits
 at every row count (AMX hosts too: the bf16 tile path, whose sums depend on the shape, is not
-used), the Q8_0 head runs its vector path at every row count for the same reason, and every
+used), the Q8_0 head runs one kernel at every row count for the same reason, and every
 forward runs the one op of ``kernels/decode_layers``, whose norms and attention do not depend
 on the other rows either: greedy speculation, batching, prefill chunking and ``--compile`` give
 the same tokens as incremental decoding, bit for bit (``tests/ops/test_row_invariance.py``).
@@ -340,12 +342,13 @@ class Q8Linear(nn.Module):
         self.register_buffer("scales", _own_aligned(buffers["scales"]))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.out_dtype = out_dtype
-        self.avx2 = q8_amx.avx2()  # a constant of this machine, traced as one
+        self.avx2 = q8_amx.int16_rows()  # a constant of this machine, traced as one
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        # The vector path at every row count, tiles or not: a row's logits the same bits in a
-        # step, a tree, a batch or a prefill.
+        # The int16-row kernel wherever it runs (q8_amx.int16_rows), else the AVX-512 vector
+        # path, at every row count: a row's logits the same bits in a step, a tree, a batch or a
+        # prefill.
         out = q8_amx.mm(x.reshape(-1, shape[-1]), self.codes, self.scales, self.out_features,
                         min_rows=q8_amx.VECTORS_ONLY, avx2=self.avx2)
         if self.bias is not None:

@@ -9,7 +9,8 @@ saved buffers and the compiled step are the same on both kinds of CPU.
 * ``q4_mm``: int8 rows (as the AVX512-VNNI path of ``q4_amx.cpp``), ``vpmaddubsw`` on the 4-bit
   codes, at every row count.
 * ``q8_mm``: the Q8_0 head, int16 rows (a power-of-two scale per group of 32) against the
-  codes widened to int16, exact int32 dots scaled in fp32.
+  codes widened to int16, exact int32 dots scaled in fp32: the int formats' head on every CPU
+  with AVX2, those with AVX-512 too (``q8_amx.int16_rows``).
 
 Compiled once per machine (:mod:`cpp_build`); :func:`loaded` says whether it runs here.
 """

@@ -9,15 +9,16 @@ RoPE, SiLU and residual adds work row by row in a fixed order; and the attention
 token's visible keys in an order fixed by their place in its own sequence (see the .cpp). So a
 token's logits are the same bits in a one-token step, a chain, a tree, a batch of 64 rows or a
 prefill, and speculation, batching and prefill chunking never change a greedy answer
-(``tests/ops/test_row_invariance.py``). The op is built for AVX2 only, so its own code is the
-same on every x86 host; its products are those of the host's kernel (each path's invariance is
-tested, not their agreement with each other).
+(``tests/ops/test_row_invariance.py``). The op has two builds, AVX-512 (on hosts with it) and
+AVX2 (:func:`flags`), which compute the same bits (a test compares them); its products are
+those of the host's kernel (each path's invariance is tested, not their agreement with each
+other).
 
 It also spares the compiled step's Python wrapper (~330 calls a step), so q4_1 needs neither
 Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
 linears on the ``q4_amx`` packing with one of the two int8-row kernels, without biases or hooks
 (a tensor-parallel shard's all-reduce keeps the compiled step), bf16 activations, a head size
-that is a multiple of 8 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
+that is a multiple of 16 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
 :func:`~treeserve.ops.decode_step.blocks_hidden`'s arguments and returns its result.
 
 Built once per machine (:mod:`cpp_build`) after the ops it calls are loaded.
@@ -35,12 +36,20 @@ from torch import Tensor
 from treeserve.ops.kernels import avx2, cpp_build, tree_attention_cpu
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
-FLAGS = (*avx2.FLAGS, "-ffp-contract=off")
-"""AVX2 only, on every host, so the op's own code is the same everywhere; no contraction of its
-few scalar multiply-adds into FMAs at the compiler's choice (its vector FMAs are written out)."""
+AVX2_FLAGS = (*avx2.FLAGS, "-ffp-contract=off")
+AVX512_FLAGS = (*cpp_build.AVX512, "-mfma", "-mf16c", "-ffp-contract=off")
+"""The op's two builds: its attention's 16-lane vectors are two ymm halves or one zmm register,
+added in the same order either way, so both compute the same bits; no contraction of scalar
+multiply-adds into FMAs at the compiler's choice (its vector FMAs are written out)."""
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
-"""The op's limits: the head size (a multiple of 8) and the query heads per KV head."""
+"""The op's limits: the head size (a multiple of 16) and the query heads per KV head."""
+
+
+def flags() -> tuple[str, ...]:
+    """The build this CPU runs (as :func:`cpp_build.cpu_flags` shows it: ``TREESERVE_ISA=avx2``
+    picks the AVX2 build on an AVX-512 host)."""
+    return AVX512_FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags() else AVX2_FLAGS
 
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -55,7 +64,7 @@ def available() -> bool:
         if _loaded is None:
             _loaded = False
             if avx2.loaded() and tree_attention_cpu.available():
-                path = cpp_build.build(SOURCE, FLAGS)
+                path = cpp_build.build(SOURCE, flags())
                 if path is not None:
                     torch.ops.load_library(str(path))  # registers treeserve_layers::run
                     _loaded = True
@@ -88,7 +97,7 @@ def fits(model: torch.nn.Module) -> bool:
     config = model.config
     if model.dtype != torch.bfloat16 or model.device.type != "cpu" or kernel_of(model) is None:
         return False
-    if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM or config.num_heads // config.num_kv_heads > MAX_GROUP:
+    if config.head_dim % 16 or config.head_dim > MAX_HEAD_DIM or config.num_heads // config.num_kv_heads > MAX_GROUP:
         return False
     for module in model.layers:
         # A hook (tensor parallelism's all-reduce after o_proj and down_proj) would not run.

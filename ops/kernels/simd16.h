@@ -15,6 +15,33 @@
 
 namespace simd16 {
 
+// Eight-lane pieces (AVX2 instructions, on both backends): the AVX2 backend's V16 is built of
+// them, and q_avx2.cpp and decode_layers.cpp use them directly.
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// 8 bf16 -> 8 fp32 (exact).
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// 8 fp32 -> 8 bf16, nearest even (NaN stays a quiet NaN).
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+  const __m256i high = _mm256_srli_epi32(rounded, 16);  // < 65536: packs without saturating
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08));
+}
 #if defined(__AVX512F__)
 
 using Mask16 = __mmask16;
@@ -151,17 +178,6 @@ inline Mask16 vmask_unord(Mask16 m, V16 a) {
 inline Mask16 vmask_neq(Mask16 m, V16 a, V16 b) {
   return m & bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_NEQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_NEQ_OQ));
 }
-// The 8-lane pieces below also serve q_avx2.cpp.
-inline float reduce_add8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-inline float reduce_max8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
 inline float vreduce_add(V16 a) { return reduce_add8(_mm256_add_ps(a.lo, a.hi)); }
 inline float vreduce_max(V16 a) { return reduce_max8(_mm256_max_ps(a.lo, a.hi)); }
 inline V16 vround(V16 a) {
@@ -174,11 +190,6 @@ inline __m256 pow2(__m256 n) {
 }
 inline V16 vmul_pow2(V16 a, V16 n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
 
-// 8 bf16 -> 8 fp32 (exact).
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 inline V16 vload_bf16(const uint16_t* p, Mask16 m) {
   if ((m & 0xffff) == 0xffff) return {bf16x8(p), bf16x8(p + 8)};
   alignas(32) uint16_t lanes[16] = {0};
@@ -186,16 +197,6 @@ inline V16 vload_bf16(const uint16_t* p, Mask16 m) {
     if (m >> i & 1) lanes[i] = p[i];
   }
   return {bf16x8(lanes), bf16x8(lanes + 8)};
-}
-// 8 fp32 -> 8 bf16, nearest even (NaN stays a quiet NaN).
-inline __m128i bf16_round8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
-  const __m256i high = _mm256_srli_epi32(rounded, 16);  // < 65536: packs without saturating
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08));
 }
 inline void vstore_bf16(uint16_t* p, V16 a, Mask16 m) {
   alignas(32) uint16_t lanes[16];

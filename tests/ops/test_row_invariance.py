@@ -7,6 +7,10 @@ one it can force (``TREESERVE_ISA``, each in a process of its own, since a proce
 kernels once), with ``compile_decode`` on and off; on a tiny random model for the fast path,
 with prompts that stay in one of the attention's 128-key segments and that cross two.
 
+Across ISA paths as well: the fused op's AVX-512 and AVX2 builds compute the same bits (a tiny
+model, on the AVX2 product), and a process capped at a lesser path gives the default model the
+host's own logits.
+
 The checks catch a row-count-dependent kernel: a head that sums its products in another order
 above four rows (the same weights, a reordered reduction, as a GEMM that picks its kernel by
 shape does) fails the batched ones. The previous forward (bf16 tiles for prefill attention, a
@@ -152,6 +156,45 @@ def test_compiling_changes_nothing_in_q4_1(q4_model, default_model_cache_dir: Pa
 
 LESSER = [level for level in _host_levels()[:-1]]
 
+_BUILD_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from conftest import make_tiny_model
+from treeserve.ops.decode_step import DecodeStep
+from treeserve.ops.formats import apply_format
+from treeserve.ops.kernels import decode_layers
+model = apply_format(make_tiny_model(5, vocab_size=256, dim=64, num_layers=2, num_heads=6, num_kv_heads=2,
+                                     head_dim=32, ffn_dim=128, max_seq_len=512), "q4_1")
+step = DecodeStep(model)
+assert step.fuse()
+step._kernel = 0  # the AVX2 q4_1 product (same packing as the int8-row kernel): only the builds differ
+model.decode_step = step
+gen = torch.Generator().manual_seed(4)
+cache = model.new_cache(2, 400)
+prefill = model(torch.randint(3, 256, (2, 300), generator=gen), cache)
+tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+step_logits = model(torch.randint(3, 256, (2, 3), generator=gen), cache, tree_mask=tree[None].expand(2, 3, 3))
+torch.save({{"flags": list(decode_layers.flags()), "prefill": prefill, "tree": step_logits}}, {out!r})
+"""
+
+
+@pytest.mark.skipif("avx512" not in _host_levels(), reason="one build here: the host has no AVX-512")
+def test_the_ops_avx512_and_avx2_builds_compute_the_same_bits(tmp_path: Path) -> None:
+    """decode_layers.cpp's attention is written on simd16's 16 lanes, folded and summed alike in
+    one zmm register or two ymm halves: its AVX-512 build gives the AVX2 build's logits bit for
+    bit (a prefill across three 128-key segments and a tree step; both on the AVX2 product)."""
+    results = []
+    for level in ("avx512", "avx2"):
+        out = tmp_path / f"{level}.pt"
+        env = {**os.environ, cpp_build.ISA_ENV: level}
+        done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT.format(here=str(HERE), out=str(out))], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(torch.load(out))
+    wide, narrow = results
+    assert "-mavx512f" in wide["flags"] and "-mavx512f" not in narrow["flags"]
+    assert torch.equal(wide["prefill"], narrow["prefill"]) and torch.equal(wide["tree"], narrow["tree"])
+
 
 @pytest.mark.model
 @pytest.mark.parametrize("level", LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))])
@@ -174,3 +217,40 @@ def test_lesser_isa_paths_are_row_invariant(level: str, default_model_cache_dir:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["kernel"] == (0 if level == "avx2" else 1)
     assert result["failed"] == []
+
+
+_LOGITS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import row_invariance as t
+from treeserve.models import DEFAULT_MODEL, load_model
+m = load_model(DEFAULT_MODEL, weight_format="q4_1", compile_decode=False, cache_dir={cache!r})
+ids = m.tokenizer.encode(t.PROMPT)
+cache = m.model.new_cache(1, len(ids) + 8)
+prefill = m.model(torch.tensor([ids]), cache)
+tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])[None]
+step = m.model(torch.tensor([[5, 6, 7]]), cache, tree_mask=tree)
+torch.save({{"prefill": prefill, "tree": step}}, {out!r})
+"""
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("level", LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))])
+def test_lesser_isa_paths_give_the_hosts_logits(level: str, default_model_cache_dir: Path, tmp_path: Path) -> None:
+    """Across ISA paths too: a process capped at ``level`` gives the README's prompt (a prefill,
+    then a 3-node tree) the host's own logits, bit for bit. The int8-row products of the AVX2
+    and AVX512-VNNI kernels, the int16 head and the op's two builds all sum alike (measured on
+    Zen 4: the AVX2 and AVX-512 paths; an AMX host's is not measured yet)."""
+    results = []
+    for cap in (None, level):
+        out = tmp_path / f"{cap}.pt"
+        env = {k: v for k, v in os.environ.items() if k != cpp_build.ISA_ENV}
+        if cap:
+            env[cpp_build.ISA_ENV] = cap
+        script = _LOGITS_SCRIPT.format(here=str(HERE), cache=str(default_model_cache_dir), out=str(out))
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(torch.load(out))
+    host, lesser = results
+    assert torch.equal(host["prefill"], lesser["prefill"]) and torch.equal(host["tree"], lesser["tree"])
+
