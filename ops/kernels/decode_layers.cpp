@@ -401,9 +401,15 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
   float* const parts = scratch.data();
   // Units: (row, a chunk of its tokens, KV head, segment), handed out one at a time (their sizes
   // differ: a segment of a row's last keys is short, and a tree's tokens reach few of them).
+  // A unit takes one segment, or, where (row, chunk, KV head) alone make enough units for the
+  // threads (a decode batch), all of that row's segments one after another: each segment is
+  // attended and kept apart as before, so this changes which thread computes what, never what
+  // is computed; it spares a batch's rows the per-unit work of their short last segments.
   const int64_t chunks = (s.T + kTokenChunk - 1) / kTokenChunk;
+  const bool whole_rows = s.B * chunks * s.n_kv >= 4 * at::get_num_threads();
+  const auto spans = [&](int64_t b) { return whole_rows ? int64_t{1} : row_segments[b]; };  // units per (chunk, KV head)
   std::vector<int64_t> first_unit(s.B + 1, 0);
-  for (int64_t b = 0; b < s.B; ++b) first_unit[b + 1] = first_unit[b] + chunks * s.n_kv * row_segments[b];
+  for (int64_t b = 0; b < s.B; ++b) first_unit[b + 1] = first_unit[b] + chunks * s.n_kv * spans(b);
   const int64_t units = first_unit[s.B];
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
 #pragma omp parallel num_threads(threads)
@@ -414,95 +420,115 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
     std::vector<int64_t> members;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
-      const int64_t index = u - first_unit[b], S = row_segments[b];
-      const int64_t c = index / (s.n_kv * S), g = index / S % s.n_kv, k = index % S;
-      const int64_t i_begin = k * kSegment, L = lengths[b];
+      // Unit u: row b, chunk c, KV head g, segments [k_first, k_last).
+      const auto locate = [&](int64_t unit, int64_t& b, int64_t& c, int64_t& g, int64_t& k_first, int64_t& k_last) {
+        b = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+        const int64_t index = unit - first_unit[b], S = spans(b);
+        c = index / (s.n_kv * S);
+        g = index / S % s.n_kv;
+        k_first = whole_rows ? 0 : index % S;
+        k_last = whole_rows ? row_segments[b] : k_first + 1;
+      };
+      int64_t b, c, g, k_first, k_last;
+      locate(u, b, c, g, k_first, k_last);
       // The committed keys and values of unit u + threads (the one this thread most likely takes
-      // next) into L2 meanwhile: a decode batch streams each row's cache from memory once, and
-      // without this its 64-row attention took 1.05-1.3x as long (measured, Zen 4).
+      // next) go into L2 meanwhile, a block's worth of rows after each block this unit attends
+      // (so they do not crowd out its own reads all at once): a decode batch streams each row's
+      // cache from memory once, and without this its 64-row attention took 1.05-1.3x as long.
+      const uint16_t* next_keys = nullptr;
+      const uint16_t* next_values = nullptr;
+      int64_t next_rows = 0, next_done = 0;
       if (u + threads < units) {
-        const int64_t nu = u + threads;
-        const int64_t nb = std::upper_bound(first_unit.begin(), first_unit.end(), nu) - first_unit.begin() - 1;
-        const int64_t nindex = nu - first_unit[nb], nS = row_segments[nb];
-        const int64_t ng = nindex / nS % s.n_kv, nk = nindex % nS;
-        const int64_t begin = nk * kSegment, end = std::min(lengths[nb], begin + kSegment);
-        const int64_t offset = ((nb * s.n_kv + ng) * s.C + begin) * hd;
-        for (int64_t line = 0; line < std::max<int64_t>(0, end - begin) * hd * 2; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(keys + offset) + line, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(values + offset) + line, _MM_HINT_T1);
+        int64_t nb, nc, ng, nk_first, nk_last;
+        locate(u + threads, nb, nc, ng, nk_first, nk_last);
+        const int64_t begin = nk_first * kSegment;
+        next_rows = std::max<int64_t>(0, std::min(lengths[nb], nk_last * kSegment) - begin);
+        next_keys = keys + ((nb * s.n_kv + ng) * s.C + begin) * hd;
+        next_values = values + ((nb * s.n_kv + ng) * s.C + begin) * hd;
+      }
+      const auto prefetch_next = [&](int64_t count) {
+        const int64_t end = std::min(next_rows, next_done + count);
+        for (int64_t line = next_done * hd * 2; line < end * hd * 2; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_keys) + line, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next_values) + line, _MM_HINT_T1);
         }
-      }
-      // The chunk's tokens that reach this segment, their queries and states.
-      members.clear();
-      for (int64_t t = c * kTokenChunk; t < std::min(s.T, (c + 1) * kTokenChunk); ++t) {
-        if (visible[b * s.T + t].count > i_begin) members.push_back(t);
-      }
-      const int64_t m = static_cast<int64_t>(members.size());
-      qf.resize(m * G * hd);
-      acc.assign(m * G * hd, 0.0f);
-      rows.resize(m * G);
-      for (int64_t i = 0; i < m; ++i) {
-        const uint16_t* qrow = q + ((b * s.T + members[i]) * s.H + g * G) * hd;
-        for (int64_t e = 0; e < G * hd; e += 8) _mm256_storeu_ps(qf.data() + i * G * hd + e, bf16x8(qrow + e));
-        for (int64_t r = 0; r < G; ++r)
-          rows[i * G + r] = {-std::numeric_limits<float>::infinity(), 0.0f, acc.data() + (i * G + r) * hd};
-      }
-      const uint16_t* kbase = keys + (b * s.n_kv + g) * s.C * hd;
-      const uint16_t* vbase = values + (b * s.n_kv + g) * s.C * hd;
-      const uint16_t* krow[kKeyBlock];
-      const uint16_t* vrow[kKeyBlock];
-      for (int64_t i0 = i_begin; i0 < i_begin + kSegment; i0 += kKeyBlock) {
-        if (!mask || i0 + kKeyBlock <= L) {  // key i is slot i for every token
-          int64_t widest = 0;
-          for (int64_t i = 0; i < m; ++i) widest = std::max(widest, std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0));
-          if (widest <= 0) break;
-          if (i0 + kKeyBlock < i_begin + kSegment)  // the segment's next block into L2 meanwhile
-            for (int64_t line = 0; line < kKeyBlock * hd * 2; line += 64) {
-              _mm_prefetch(reinterpret_cast<const char*>(kbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
-              _mm_prefetch(reinterpret_cast<const char*>(vbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
+        next_done = end;
+      };
+      for (int64_t k = k_first; k < k_last; ++k) {
+        const int64_t i_begin = k * kSegment, L = lengths[b];
+        // The chunk's tokens that reach this segment, their queries and states.
+        members.clear();
+        for (int64_t t = c * kTokenChunk; t < std::min(s.T, (c + 1) * kTokenChunk); ++t) {
+          if (visible[b * s.T + t].count > i_begin) members.push_back(t);
+        }
+        const int64_t m = static_cast<int64_t>(members.size());
+        qf.resize(m * G * hd);
+        acc.assign(m * G * hd, 0.0f);
+        rows.resize(m * G);
+        for (int64_t i = 0; i < m; ++i) {
+          const uint16_t* qrow = q + ((b * s.T + members[i]) * s.H + g * G) * hd;
+          for (int64_t e = 0; e < G * hd; e += 8) _mm256_storeu_ps(qf.data() + i * G * hd + e, bf16x8(qrow + e));
+          for (int64_t r = 0; r < G; ++r)
+            rows[i * G + r] = {-std::numeric_limits<float>::infinity(), 0.0f, acc.data() + (i * G + r) * hd};
+        }
+        const uint16_t* kbase = keys + (b * s.n_kv + g) * s.C * hd;
+        const uint16_t* vbase = values + (b * s.n_kv + g) * s.C * hd;
+        const uint16_t* krow[kKeyBlock];
+        const uint16_t* vrow[kKeyBlock];
+        for (int64_t i0 = i_begin; i0 < i_begin + kSegment; i0 += kKeyBlock) {
+          if (!mask || i0 + kKeyBlock <= L) {  // key i is slot i for every token
+            int64_t widest = 0;
+            for (int64_t i = 0; i < m; ++i) widest = std::max(widest, std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0));
+            if (widest <= 0) break;
+            if (i0 + kKeyBlock < i_begin + kSegment)  // the segment's next block into L2 meanwhile
+              for (int64_t line = 0; line < kKeyBlock * hd * 2; line += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(kbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(vbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
+              }
+            const int64_t padded = (widest + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
+            for (int64_t j = 0; j < padded; ++j) {  // rows past widest: readable, never used
+              krow[j] = kbase + (i0 + std::min(j, widest - 1)) * hd;
+              vrow[j] = vbase + (i0 + std::min(j, widest - 1)) * hd;
             }
-          const int64_t padded = (widest + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
-          for (int64_t j = 0; j < padded; ++j) {  // rows past widest: readable, never used
-            krow[j] = kbase + (i0 + std::min(j, widest - 1)) * hd;
-            vrow[j] = vbase + (i0 + std::min(j, widest - 1)) * hd;
-          }
-          if (m > 1) widen_block(krow, vrow, widest, hd, *blk);  // once for the unit's tokens
-          const Widened wk{blk->k, hd}, wv{blk->v, hd};
-          const Cached ck{krow}, cv{vrow};
-          for (int64_t i = 0; i < m; ++i) {
-            const int64_t n = std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0);
-            if (n <= 0) continue;
-            if (m > 1) attend_block(qf.data() + i * G * hd, G, hd, wk, wv, n, scale, rows.data() + i * G);
-            else attend_block(qf.data() + i * G * hd, G, hd, ck, cv, n, scale, rows.data() + i * G);
-          }
-        } else {  // tree slots: each token's own keys, read in the cache
-          bool any = false;
-          for (int64_t i = 0; i < m; ++i) {
-            const Visible& v = visible[b * s.T + members[i]];
-            const int64_t n = std::min(kKeyBlock, v.count - i0);
-            if (n <= 0) continue;
-            any = true;
-            for (int64_t j = 0; j < (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass; ++j) {
-              const int64_t slot = v.slot(i0 + std::min(j, n - 1));
-              krow[j] = kbase + slot * hd;
-              vrow[j] = vbase + slot * hd;
+            if (m > 1) widen_block(krow, vrow, widest, hd, *blk);  // once for the unit's tokens
+            const Widened wk{blk->k, hd}, wv{blk->v, hd};
+            const Cached ck{krow}, cv{vrow};
+            for (int64_t i = 0; i < m; ++i) {
+              const int64_t n = std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0);
+              if (n <= 0) continue;
+              if (m > 1) attend_block(qf.data() + i * G * hd, G, hd, wk, wv, n, scale, rows.data() + i * G);
+              else attend_block(qf.data() + i * G * hd, G, hd, ck, cv, n, scale, rows.data() + i * G);
             }
-            attend_block(qf.data() + i * G * hd, G, hd, Cached{krow}, Cached{vrow}, n, scale, rows.data() + i * G);
+            prefetch_next(kKeyBlock);
+          } else {  // tree slots: each token's own keys, read in the cache
+            bool any = false;
+            for (int64_t i = 0; i < m; ++i) {
+              const Visible& v = visible[b * s.T + members[i]];
+              const int64_t n = std::min(kKeyBlock, v.count - i0);
+              if (n <= 0) continue;
+              any = true;
+              for (int64_t j = 0; j < (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass; ++j) {
+                const int64_t slot = v.slot(i0 + std::min(j, n - 1));
+                krow[j] = kbase + slot * hd;
+                vrow[j] = vbase + slot * hd;
+              }
+              attend_block(qf.data() + i * G * hd, G, hd, Cached{krow}, Cached{vrow}, n, scale, rows.data() + i * G);
+            }
+            if (!any) break;
           }
-          if (!any) break;
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t bt = b * s.T + members[i];
+          const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
+          float* part = parts + (first_part[bt] + g * segments + k) * part_floats;
+          for (int64_t r = 0; r < G; ++r) {
+            part[r] = rows[i * G + r].max;
+            part[G + r] = rows[i * G + r].sum;
+            std::memcpy(part + 2 * G + r * hd, rows[i * G + r].acc, hd * sizeof(float));
+          }
         }
       }
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t bt = b * s.T + members[i];
-        const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
-        float* part = parts + (first_part[bt] + g * segments + k) * part_floats;
-        for (int64_t r = 0; r < G; ++r) {
-          part[r] = rows[i * G + r].max;
-          part[G + r] = rows[i * G + r].sum;
-          std::memcpy(part + 2 * G + r * hd, rows[i * G + r].acc, hd * sizeof(float));
-        }
-      }
+      prefetch_next(next_rows);  // the rest of them, if this unit was shorter
     }
     // Then (after the loop's barrier) merge each token's segments in order, in the same region.
     alignas(32) float total[kMaxHeadDim];
