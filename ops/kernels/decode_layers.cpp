@@ -189,23 +189,17 @@ using simd16::V16;
 #if defined(__AVX512F__)
 constexpr int kKeysPerPass = 4;  // keys a score pass takes: R x 4 sums in zmm registers
 constexpr int kWeighVectors = 4;  // 16-dim pieces of a row's weighted values held at once
-inline __m256 fold(V16 a) {       // lanes 0..7 + lanes 8..15
-  return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
-}
-inline float first_lane(V16 a) { return _mm512_cvtss_f32(a.v); }
+inline __m256 low(V16 a) { return _mm512_castps512_ps256(a.v); }  // lanes 0..7
+inline __m256 high(V16 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)); }  // 8..15
 #else
 constexpr int kKeysPerPass = 1;  // R sums of two ymm halves (two keys a pass spilled: trees 1.1x the time)
 constexpr int kWeighVectors = 1;  // R x 1 sums, R weights and a value: 11 ymm registers at R = 3 (two spilled)
-inline __m256 fold(V16 a) { return _mm256_add_ps(a.lo, a.hi); }
-inline float first_lane(V16 a) { return _mm256_cvtss_f32(a.lo); }
+inline __m256 low(V16 a) { return a.lo; }
+inline __m256 high(V16 a) { return a.hi; }
 #endif
-inline __m256 fold_max(V16 a) {
-#if defined(__AVX512F__)
-  return _mm256_max_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
-#else
-  return _mm256_max_ps(a.lo, a.hi);
-#endif
-}
+inline __m256 fold(V16 a) { return _mm256_add_ps(low(a), high(a)); }      // lanes 0..7 + lanes 8..15
+inline __m256 fold_max(V16 a) { return _mm256_max_ps(low(a), high(a)); }
+inline float first_lane(V16 a) { return _mm256_cvtss_f32(low(a)); }
 inline V16 bf16x16(const uint16_t* p) { return simd16::vload_bf16(p, 0xffff); }
 
 // Where a unit reads a block's key and value rows: in the bf16 cache itself (Cached: a unit of
@@ -299,7 +293,7 @@ inline void weigh_dims(const float (*p)[kKeyBlock], const float* shrink, int64_t
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) simd16::vmask_storeu(rows[r].acc + d0 + 16 * c, simd16::Mask16(0xffff), a[r][c]);
+    for (int c = 0; c < W; ++c) simd16::vstoreu(rows[r].acc + d0 + 16 * c, a[r][c]);
 }
 
 template <int R, class Values>
@@ -365,8 +359,6 @@ void attend_block(const float* q, int64_t G, int64_t hd, const Rows& keys, const
 // mask (B, T, T) bool or null (causal).
 void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const int64_t* lengths,
             const bool* mask, const AttnShape& s, uint16_t* out) {
-
-
   const int64_t G = s.H / s.n_kv, tokens = s.B * s.T, hd = s.hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // Each token's visible new slots (a tree), its segments, and where its partial results go:

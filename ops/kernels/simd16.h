@@ -54,6 +54,7 @@ inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
 inline V16 vload(const float* p) { return {_mm512_load_ps(p)}; }  // 64-byte aligned
 inline V16 vloadu(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void vstore(float* p, V16 a) { _mm512_store_ps(p, a.v); }
+inline void vstoreu(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -139,6 +140,10 @@ inline V16 vloadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(
 inline void vstore(float* p, V16 a) {
   _mm256_store_ps(p, a.lo);
   _mm256_store_ps(p + 8, a.hi);
+}
+inline void vstoreu(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
 }
 inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }

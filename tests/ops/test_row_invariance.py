@@ -155,6 +155,18 @@ def test_compiling_changes_nothing_in_q4_1(q4_model, default_model_cache_dir: Pa
 
 
 LESSER = [level for level in _host_levels()[:-1]]
+LESSER_PARAMS = LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))]
+
+
+def _run_capped(script: str, level: str | None) -> str:
+    """``script`` in a fresh interpreter whose kernels are capped at ``level`` (None: the
+    host's own path); its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != cpp_build.ISA_ENV}
+    if level:
+        env[cpp_build.ISA_ENV] = level
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 _BUILD_SCRIPT = """
 import sys, torch
@@ -186,10 +198,7 @@ def test_the_ops_avx512_and_avx2_builds_compute_the_same_bits(tmp_path: Path) ->
     results = []
     for level in ("avx512", "avx2"):
         out = tmp_path / f"{level}.pt"
-        env = {**os.environ, cpp_build.ISA_ENV: level}
-        done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT.format(here=str(HERE), out=str(out))], env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run_capped(_BUILD_SCRIPT.format(here=str(HERE), out=str(out)), level)
         results.append(torch.load(out))
     wide, narrow = results
     assert "-mavx512f" in wide["flags"] and "-mavx512f" not in narrow["flags"]
@@ -197,7 +206,7 @@ def test_the_ops_avx512_and_avx2_builds_compute_the_same_bits(tmp_path: Path) ->
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("level", LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))])
+@pytest.mark.parametrize("level", LESSER_PARAMS)
 def test_lesser_isa_paths_are_row_invariant(level: str, default_model_cache_dir: Path) -> None:
     """The same checks in a process whose kernels are capped at ``level`` (its q4_1 product:
     the AVX2 kernel for ``avx2``, int8 rows on AVX512-VNNI for ``avx512``)."""
@@ -211,10 +220,7 @@ def test_lesser_isa_paths_are_row_invariant(level: str, default_model_cache_dir:
         "failed = t.failures(m.model, m.tokenizer.encode(t.PROMPT), t.other_prompts(m.config.vocab_size))\n"
         "print(json.dumps({'kernel': getattr(step, '_kernel', None), 'failed': failed}))\n"
     )
-    env = {**os.environ, cpp_build.ISA_ENV: level}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(_run_capped(script, level).strip().splitlines()[-1])
     assert result["kernel"] == (0 if level == "avx2" else 1)
     assert result["failed"] == []
 
@@ -235,7 +241,7 @@ torch.save({{"prefill": prefill, "tree": step}}, {out!r})
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("level", LESSER or [pytest.param("none", marks=pytest.mark.skip("no lesser ISA path here"))])
+@pytest.mark.parametrize("level", LESSER_PARAMS)
 def test_lesser_isa_paths_give_the_hosts_logits(level: str, default_model_cache_dir: Path, tmp_path: Path) -> None:
     """Across ISA paths too: a process capped at ``level`` gives the README's prompt (a prefill,
     then a 3-node tree) the host's own logits, bit for bit. The int8-row products of the AVX2
@@ -244,12 +250,7 @@ def test_lesser_isa_paths_give_the_hosts_logits(level: str, default_model_cache_
     results = []
     for cap in (None, level):
         out = tmp_path / f"{cap}.pt"
-        env = {k: v for k, v in os.environ.items() if k != cpp_build.ISA_ENV}
-        if cap:
-            env[cpp_build.ISA_ENV] = cap
-        script = _LOGITS_SCRIPT.format(here=str(HERE), cache=str(default_model_cache_dir), out=str(out))
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run_capped(_LOGITS_SCRIPT.format(here=str(HERE), cache=str(default_model_cache_dir), out=str(out)), cap)
         results.append(torch.load(out))
     host, lesser = results
     assert torch.equal(host["prefill"], lesser["prefill"]) and torch.equal(host["tree"], lesser["tree"])
