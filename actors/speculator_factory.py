@@ -55,7 +55,7 @@ SPEC_SYNTAX = "ngram | suffix | feature[:PATH] | distilled:PATH | self[:LAYERS] 
 """The spec strings :func:`parse_speculator` accepts (``none`` for no speculation is the caller's)."""
 NGRAM_OPTIONS: Mapping[str, int] = {"max_ngram": 3, "num_draft_tokens": 8, "num_branches": 2}
 """The default n-gram drafter: model-free and nearly free to run."""
-INT_FORMATS = (WeightFormat.Q4_1.value, WeightFormat.INT8.value)
+INT_FORMATS = tuple(f.value for f in WeightFormat if f.is_int)
 """The formats whose default speculators are the model-free ones (see :func:`default_speculators`)."""
 SUFFIX_INDEX_OPTIONS = ("capacity", "min_ngram", "max_ngram", "max_matches")
 """The options of a ``suffix`` spec that configure its process-wide :class:`~treeserve.ops.suffix.SuffixIndex`;

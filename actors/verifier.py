@@ -3,7 +3,8 @@
 Every rank receives the same calls in the same order (the scheduler fans each call out to all
 shards and awaits all replies before the next call); rank 0's reply is the one used. Handlers:
 
-* ``info`` -> ``{"vocab_size", "max_seq_len", "num_rows", "row_capacity", "eos_ids", "tp_rank", "tp_size"}``
+* ``info`` -> ``{"vocab_size", "max_seq_len", "num_rows", "row_capacity", "eos_ids", "tp_rank", "tp_size",
+  "weight_format"}``
 * ``prefill {"rows": [{"row", "prompt_ids"}]}`` -> ``{"rows": [{"row", "length"}]}``: reset each
   row and commit its prompt except the last token (the root of the row's first token tree);
   a burst of admissions shares batched forwards (:func:`~treeserve.ops.batch_step.prefill_rows`).
@@ -78,9 +79,9 @@ from treeserve.ops.batch_step import (
     verify_rows,
     verify_rows_with_states,
 )
-from treeserve.ops.formats import AUTO_FORMAT
+from treeserve.ops.formats import AUTO_FORMAT, resolve_format
 from treeserve.ops.kv_cache import KVCache
-from treeserve.ops.loaders.load import load_model, prepare_for_serving
+from treeserve.ops.loaders.load import load_model, prepare_for_serving, stored_types_of
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import Randomness, SamplingParams, make_generator
 from treeserve.ops.token_tree import TokenTree
@@ -140,6 +141,9 @@ class VerifierShard(Actor):
             "eos_ids": sorted(loaded.tokenizer.stop_ids),
             "tp_rank": cfg.tp_rank,
             "tp_size": cfg.tp_size,
+            # What the model will be served in (auto resolved: for a GGUF, as it is stored).
+            "weight_format": resolve_format(self._weight_format(), loaded.config, torch.device(cfg.device),
+                                            stored_types_of(loaded.source, cfg.cache_dir)).value,
         }
         self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, loaded.source, capacity))
         self._setup.add_done_callback(consume_exception)
@@ -181,15 +185,19 @@ class VerifierShard(Actor):
             self._has_group = True
             model = apply_tp(model, cfg.tp_rank, cfg.tp_size, distributed_all_reduce())
         model = model.to(cfg.device)
-        # q4_1 takes the GGUF's blocks whole, which a tensor-parallel shard does not hold: auto
-        # means bfloat16 there (an explicit q4_1 with tp > 1 is refused by apply_format).
-        weight_format = "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
-        model = prepare_for_serving(model, source, weight_format, cache_dir=cfg.cache_dir,
+        model = prepare_for_serving(model, source, self._weight_format(), cache_dir=cfg.cache_dir,
                                     compile_decode=cfg.compile_decode, background=cfg.compile_in_background)
         cache = model.new_cache(cfg.num_rows, capacity)
         _warm_up(model, cache)
         self._model = model
         self._cache = cache
+
+    def _weight_format(self) -> str:
+        """The format asked for: the int formats of GGUF blocks take a tensor whole, which a
+        tensor-parallel shard does not hold, so auto means bfloat16 there (an explicit q4_1 or
+        gguf with tp > 1 is refused by apply_format)."""
+        cfg = self.config
+        return "bfloat16" if cfg.tp_size > 1 and cfg.dtype == AUTO_FORMAT else cfg.dtype
 
     async def _ready(self) -> tuple[Transformer, KVCache]:
         if self._setup is None:

@@ -15,10 +15,13 @@ Measures on this machine, medians of repeats:
   float32: teacher-forced top-1 over float32's own greedy answers to chat prompts of the
   shipped prompt sets (``bench/data``, fetched by ``bench/data/fetch.py``);
 * end to end at batch 1 without speculation (prefill of a 128-token prompt plus 128 greedy
-  tokens): treeserve in the default format against llama.cpp (llama-cpp-python, 2 threads,
-  ``reset()`` before each timed run, prefill and decode timed apart) on the original GGUF.
+  tokens): treeserve in the default format (``auto``: for a GGUF, as the file stores it)
+  against llama.cpp (llama-cpp-python, 2 threads, ``reset()`` before each timed run, prefill
+  and decode timed apart) on the original GGUF;
+* with llama.cpp, each format's greedy agreement with llama.cpp on the same file: teacher-forced
+  top-1 over llama.cpp's own greedy answers to the same chat prompts.
 
-    python bench/forward.py --json [--formats q4_1,bfloat16] [--repeats 7] [--no-llama-cpp]
+    python bench/forward.py --json [--model FILE.gguf] [--formats auto,bfloat16] [--repeats 7] [--no-llama-cpp]
 
 llama-cpp-python is a bench-only extra, never a dependency (build flags for this CPU in
 ``bench/RESULTS.md``). JSON shape: ``{"roofline_gb_s", "default_format", "formats": {NAME:
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from treeserve.models import DEFAULT_MODEL, load_model
+from treeserve.ops.formats import AUTO_FORMAT
 from treeserve.ops.formats import DEFAULT_FORMAT as DEFAULT_WEIGHT_FORMAT
 from treeserve.ops.formats import WeightFormat, weight_bytes_per_token
 from treeserve.ops.model import Transformer
@@ -48,7 +52,7 @@ from treeserve.ops.speculative import generate_incremental
 from treeserve.ops.tree_attention import tree_mask_from_parents
 
 DEFAULT_FORMAT = DEFAULT_WEIGHT_FORMAT.value
-KNOWN_FORMATS = tuple(f.value for f in WeightFormat)
+KNOWN_FORMATS = (AUTO_FORMAT, *(f.value for f in WeightFormat))
 CACHE_LENGTH = 256
 TREE_SIZES = (4, 16, 64)
 BATCH_SIZES = (16, 64)
@@ -189,6 +193,14 @@ def e2e_treeserve(model: Transformer, prompt: list[int], repeats: int) -> float:
     return E2E_NEW_TOKENS / seconds
 
 
+def llama_cpp_last_logits(llm: Any) -> Any:
+    """The logits of the last token llama.cpp evaluated (llama-cpp-python keeps ``scores`` only
+    with ``logits_all``; read without it, ``scores`` is all zeros and every argmax is token 0)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
 def e2e_llama_cpp(gguf: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
     """llama.cpp on the GGUF: e2e tokens/s, decode-only tokens/s and prefill ms (medians)."""
     import llama_cpp
@@ -202,7 +214,7 @@ def e2e_llama_cpp(gguf: Path, prompt: list[int], threads: int, repeats: int) -> 
         llm.eval(prompt)
         prefilled = time.perf_counter()
         for _ in range(E2E_NEW_TOKENS):
-            token = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy
+            token = int(llama_cpp_last_logits(llm).argmax())  # greedy
             llm.eval([token])
         done = time.perf_counter()
         if index:  # the first run warms up
@@ -214,8 +226,30 @@ def e2e_llama_cpp(gguf: Path, prompt: list[int], threads: int, repeats: int) -> 
             "llama_cpp_prefill_ms": prefill * 1e3, "llama_cpp_version": llama_cpp.__version__}
 
 
+def llama_cpp_answers(gguf: Path, prompts: list[list[int]], num_tokens: int, stop_ids: tuple[int, ...],
+                      threads: int) -> list[list[int]]:
+    """llama.cpp's greedy answers to ``prompts`` on the GGUF (up to ``num_tokens`` or a stop)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, verbose=False, seed=0)
+    answers = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        answer: list[int] = []
+        while len(answer) < num_tokens:
+            token = int(llama_cpp_last_logits(llm).argmax())
+            answer.append(token)
+            if token in stop_ids:
+                break
+            llm.eval([token])
+        answers.append(answer)
+    return answers
+
+
 def measure_format(name: str, args: argparse.Namespace, prompts: list[list[int]],
-                   answers: list[list[int]]) -> tuple[dict[str, Any], Transformer]:
+                   answers: list[list[int]], peer_answers: list[list[int]] | None) -> tuple[dict[str, Any], Transformer]:
     started = time.perf_counter()
     loaded = load_model(args.model, weight_format=name)
     model = loaded.model
@@ -234,6 +268,8 @@ def measure_format(name: str, args: argparse.Namespace, prompts: list[list[int]]
         "roofline_gb_s": round(roofline, 1),  # measured between this format's steps
         "roofline_fraction": round(fraction, 3),
         "agreement_with_float32": round(agreement(model, prompts, answers), 4),
+        "agreement_with_llama_cpp": None if peer_answers is None else round(agreement(model, prompts, peer_answers), 4),
+        "weight_format": model.weight_format,
         "load_s": round(load_s, 2),
         "compile_s": round(compile_s, 2),
         "compiled_decode_step": step is not None,
@@ -267,6 +303,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(2)
     e2e_prompt = torch.randint(100, reference.config.vocab_size, (E2E_PROMPT_TOKENS,), generator=gen).tolist()
     gguf = reference.source if reference.source.suffix == ".gguf" else None
+    peer_answers = None
+    if not args.no_llama_cpp and gguf is not None:
+        try:
+            peer_answers = llama_cpp_answers(gguf, prompts, args.answer_tokens, tuple(reference.tokenizer.stop_ids),
+                                             args.threads)
+        except ImportError:
+            pass
     del reference
 
     result: dict[str, Any] = {
@@ -279,9 +322,10 @@ def main() -> None:
                            "treeserve_tok_s": None, "llama_cpp_tok_s": None, "llama_cpp_decode_tok_s": None,
                            "llama_cpp_version": None}
     for name in formats:
-        entry, model = measure_format(name, args, prompts, answers)
+        entry, model = measure_format(name, args, prompts, answers, peer_answers)
         result["formats"][name] = entry
-        if name == DEFAULT_FORMAT:
+        if name in (DEFAULT_FORMAT, AUTO_FORMAT) and e2e["treeserve_tok_s"] is None:
+            e2e["format"] = entry["weight_format"]
             e2e["treeserve_tok_s"] = round(e2e_treeserve(model, e2e_prompt, max(3, args.repeats // 2)), 1)
         del model
         print(f"[forward] {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)

@@ -402,7 +402,7 @@ def artifact_name(model: Transformer, *, kind: str = "decode", weight_format: st
     key = "|".join([
         repr(sorted(model.config.__dict__.items())), str(fmt), str(model.dtype), str(model.device),
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-        hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows(), q4_amx.avx2()) if model.weight_format == 'q4_1' else None}",
+        hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows(), q4_amx.avx2()) if model.weight_format in ('q4_1', 'gguf') else None}",
         f"tree_attention_cpu={tree_attention_cpu.available()}",
     ])
     return f"{kind}-{fmt}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from treeserve.ops.decode_step import CompiledStep, artifact_name, begin_step, blocks_hidden
 from treeserve.ops.drafting import start_request, validate_expansion
-from treeserve.ops.formats import Q8Linear, q8_buffers
+from treeserve.ops.formats import Q8Linear, WeightFormat, q8_buffers
 from treeserve.ops.kernels import q8_amx
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, ModelConfig, Transformer
@@ -298,7 +298,7 @@ def load_feature_drafter(verifier: Transformer, path: str | Path | None = None) 
         raise ValueError(f"{file} lacks tensors {sorted(missing)}")
     drafter = drafter.to(device=verifier.device, dtype=verifier.dtype)
     drafter.set_draft_ids(draft_ids)
-    if verifier.weight_format in ("int8", "q4_1"):
+    if verifier.weight_format is not None and WeightFormat(verifier.weight_format).is_int:
         format_drafter(drafter)
     return drafter.eval()
 

@@ -17,6 +17,12 @@ class WeightFormat(enum.Enum):
     BFLOAT16 = "bfloat16"
     INT8 = "int8"
     Q4_1 = "q4_1"
+    GGUF = "gguf"
+
+    @property
+    def is_int(self) -> bool:
+        """True for the formats of integer codes (CPU kernels only)."""
+        return self in (WeightFormat.INT8, WeightFormat.Q4_1, WeightFormat.GGUF)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -37,7 +43,8 @@ class WeightFormat(enum.Enum):
 
 
 AUTO_FORMAT = "auto"
-"""Names :data:`DEFAULT_FORMAT` where the model's shapes allow it, else bfloat16 (see
+"""For a GGUF, the format it is stored in (``q4_1`` when its linears are Q4_1, else ``gguf``);
+for float weights :data:`DEFAULT_FORMAT` where the model's shapes allow it, else bfloat16 (see
 :func:`treeserve.ops.formats.resolve_format`); what ``serve`` and ``generate`` use unless told
 otherwise."""
 

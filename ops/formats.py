@@ -18,6 +18,11 @@ q4_1        bfloat16     4-bit codes, group 32, bf16 scale and zero: ``kernels/q
                          AVX-512, int8 rows on AVX2, ``kernels/q_avx2.cpp``; the
                          whole forward in one op, ``kernels/decode_layers``), else
                          ``_weight_int4pack_mm_for_cpu``
+gguf        bfloat16     each linear in its GGUF block type (``block_types``): Q4_0, Q4_1,
+                         Q4_K on q4_1's kernels; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as int8
+                         codes with float32 scales and zeros, ``kernels/codes8`` (int8
+                         rows, the same one-op forward); Q/K/V of mixed types fused on
+                         ``codes8``; from float weights, q4_1
 =========== ============ ==================================================================
 
 The int formats' LM head is Q8_0 (int8 codes, a float16 scale per 32, fp32 logits) on
@@ -37,6 +42,7 @@ used), the Q8_0 head runs one kernel at every row count for the same reason, and
 forward runs the one op of ``kernels/decode_layers``, whose norms and attention do not depend
 on the other rows either: greedy speculation, batching, prefill chunking and ``--compile`` give
 the same tokens as incremental decoding, bit for bit (``tests/ops/test_row_invariance.py``).
+The gguf format makes the same promise on the same kernels (``tests/ops/test_gguf_format.py``).
 bfloat16 and int8 do not promise this yet: oneDNN's and torch's GEMMs change their summation
 order with the row count; float32 agrees across shapes to about 1e-4 in logits.
 
@@ -60,7 +66,6 @@ refuse with :class:`FormatUnsupportedError`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -71,7 +76,8 @@ from treeserve.ops.format_names import AUTO_FORMAT as AUTO_FORMAT  # re-exported
 from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
 from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
 from treeserve.ops.format_names import WeightFormat as WeightFormat
-from treeserve.ops.kernels import q4_amx, q8_amx
+from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks, concat_rows
+from treeserve.ops.kernels import codes8, q4_amx, q8_amx
 from treeserve.ops.model import Block, ModelConfig, Transformer
 
 Q4_GROUP = 32
@@ -88,38 +94,27 @@ class FormatUnsupportedError(ValueError):
     """The weight format cannot run on this device or for this model's shapes."""
 
 
-def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None) -> WeightFormat:
-    """The format ``name`` stands for on a model of ``config`` on ``device``: ``auto`` is
-    :data:`DEFAULT_FORMAT` on CPU when every linear's input size is a multiple of the 4-bit
-    group (32), else bfloat16 (the int formats have CPU kernels only); any other name is that
-    format."""
+def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None,
+                   stored_types: Mapping[str, str] | None = None) -> WeightFormat:
+    """The format ``name`` stands for on a model of ``config`` on ``device``: ``auto`` is, on
+    CPU when every linear's input size is a multiple of 32, the format the weights are stored in
+    (``stored_types``: a GGUF's linear weights' block types by parameter name): ``q4_1`` where
+    they are all Q4_1 or the weights are floats, else ``gguf`` (each in its own block type);
+    elsewhere bfloat16 (the int formats have CPU kernels only). Any other name is that format."""
     if name != AUTO_FORMAT:
         return WeightFormat.parse(name)
     if device is not None and device.type != "cpu":
         return WeightFormat.BFLOAT16
     inputs = (config.dim, config.num_heads * config.head_dim, config.ffn_dim)
-    return DEFAULT_FORMAT if all(size % Q4_GROUP == 0 for size in inputs) else WeightFormat.BFLOAT16
+    if not all(size % Q4_GROUP == 0 for size in inputs):
+        return WeightFormat.BFLOAT16
+    linears = {kind for name, kind in (stored_types or {}).items() if _is_linear(name)}
+    return DEFAULT_FORMAT if linears <= {"Q4_1", "F32", "F16", "BF16"} else WeightFormat.GGUF
 
 
-@dataclass(frozen=True)
-class Q4Blocks:
-    """Q4_1 blocks of one ``(N, K)`` weight: codes ``(N, K)`` uint8 in 0..15, and per block
-    of 32 columns the float16 ``scale`` (d) and ``minimum`` (m), each ``(N, K // 32)``, so
-    ``w[n, k] = scale[n, k // 32] * codes[n, k] + minimum[n, k // 32]``."""
-
-    codes: Tensor
-    scale: Tensor
-    minimum: Tensor
-
-    def dequantize(self) -> Tensor:
-        """The float32 weights ``(N, K)`` the blocks stand for (exactly what gguf computes)."""
-        scale = self.scale.float().repeat_interleave(Q4_GROUP, dim=1)
-        minimum = self.minimum.float().repeat_interleave(Q4_GROUP, dim=1)
-        return scale * self.codes.float() + minimum
-
-    def rows(self, index: Tensor | slice) -> Q4Blocks:
-        """The blocks of the selected output rows."""
-        return Q4Blocks(self.codes[index], self.scale[index], self.minimum[index])
+def _is_linear(name: str) -> bool:
+    """Whether a parameter name is a block's linear weight (the formats' kernels' weights)."""
+    return name.startswith("layers.") and name.endswith("_proj.weight")
 
 
 def q4_blocks_from_float(weight: Tensor) -> Q4Blocks:
@@ -372,28 +367,77 @@ def q8_head_fits(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and q8_amx.supports(*weight.shape) and q8_amx.available()
 
 
-PREPARED_KERNELS = (Int8Linear, Int4Linear, Q8Linear)
+class Codes8Linear(nn.Module):
+    """Integer codes by group (``w = scale * q + zero``, a float32 scale per 16 or 32 weights, an
+    optional zero per 32) on ``kernels/codes8``: the gguf format's Q8_0, Q5_0, Q5_1, Q5_K and
+    Q6_K weights (and any linear whose fused parts mix block types), with their own codes,
+    scales and zeros. Rows are quantized to int8 per group of 32 and summed exactly in int32, so
+    a row's result is the same bits at every row count. bf16 outputs, or float32 ones for an LM
+    head (``float_out``).
+
+    ``source``: :class:`~treeserve.ops.block_types.Codes8Blocks`, or their packed buffers read
+    back from a saved format.
+    """
+
+    def __init__(self, source: Codes8Blocks | Mapping[str, Tensor], bias: Tensor | None, *,
+                 float_out: bool = False) -> None:
+        super().__init__()
+        if not codes8.available():
+            raise FormatUnsupportedError("the 8-bit-code kernel does not run on this machine (it needs AVX2)")
+        if isinstance(source, Codes8Blocks):
+            self.out_features, self.in_features = source.codes.shape
+            packed = codes8.pack(source.codes, source.scales, source.zeros)
+            buffers = {"c8_codes": packed[0], "c8_scales": packed[1], "c8_zeros": packed[2]}
+        else:
+            buffers = dict(source)
+        for name in ("c8_codes", "c8_scales", "c8_zeros"):
+            self.register_buffer(name, _own_aligned(buffers[name]))
+        self.register_buffer("c8_shape", torch.tensor(list(buffers["c8_shape"]) if "c8_shape" in buffers else
+                                                      [self.out_features, self.in_features], dtype=torch.int64))
+        self.out_features, self.in_features = (int(v) for v in self.c8_shape)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        self.float_out = float_out
+        self.avx2 = codes8.avx2()  # a constant of this machine, traced as one
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        out = codes8.mm(x.reshape(-1, shape[-1]), self.c8_codes, self.c8_scales, self.c8_zeros,
+                        self.out_features, float_out=self.float_out, avx2=self.avx2)
+        out = out.reshape(*shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for n, t in self.named_buffers(recurse=False) if n != "c8_shape")
+
+
+PREPARED_KERNELS = (Int8Linear, Int4Linear, Q8Linear, Codes8Linear)
 """The kernels whose buffers take long to compute from the weights (packing, quantizing):
 :func:`prepared_buffers` collects them so a later load can pass them back to :func:`apply_format`."""
 
 
 def make_linear(
-    fmt: WeightFormat, weight: Tensor | None, bias: Tensor | None, *, blocks: Q4Blocks | None = None,
+    fmt: WeightFormat, weight: Tensor | None, bias: Tensor | None, *, blocks: StoredBlocks | None = None,
     prepared: Mapping[str, Tensor] | None = None, device: torch.device | None = None,
 ) -> nn.Module:
-    """The format's kernel for a float ``(N, K)`` weight (``blocks``: its Q4_1 source, if any;
+    """The format's kernel for a float ``(N, K)`` weight (``blocks``: its stored values, if any;
     ``prepared``: the int kernels' buffers, computed before, which replace both).
 
-    ``weight`` may be None only when ``blocks`` or ``prepared`` stand in for it. The int
-    formats' LM head is not made here (see ``_head``).
+    The q4_1 format takes 4-bit blocks (Q4_0, Q4_1, Q4_K); the gguf format takes every stored
+    block type, each on its kernel. ``weight`` may be None only when ``blocks`` or ``prepared``
+    stand in for it. The int formats' LM head is not made here (see ``_head``).
     """
     device = device if device is not None else weight.device if weight is not None else torch.device("cpu")
-    if device.type == "cuda" and fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+    if device.type == "cuda" and fmt.is_int:
         raise FormatUnsupportedError(f"the {fmt.value} format has CPU kernels only; on CUDA use float32 or bfloat16")
     if prepared and fmt is WeightFormat.INT8:
         return Int8Linear(prepared, bias)
-    if fmt is WeightFormat.Q4_1 and (prepared or blocks is not None):
-        return Int4Linear(prepared or cast(Q4Blocks, blocks), bias)
+    if prepared and fmt in (WeightFormat.Q4_1, WeightFormat.GGUF):
+        return Codes8Linear(prepared, bias) if "c8_codes" in prepared else Int4Linear(prepared, bias)
+    if fmt is WeightFormat.GGUF and isinstance(blocks, Codes8Blocks):
+        return Codes8Linear(blocks, bias)
+    if fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) and isinstance(blocks, Q4Blocks):
+        return Int4Linear(blocks, bias)
     if weight is None:
         raise ValueError(f"make_linear: the {fmt.value} format needs the float weight here")
     if device.type == "cuda":
@@ -427,17 +471,23 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     step reads one embedding row and a few KB of norms)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (DenseLinear, OneDnnLinear, Int8Linear, Int4Linear, Q8Linear)):
+        if isinstance(module, (DenseLinear, OneDnnLinear, *PREPARED_KERNELS)):
             total += module.num_weight_bytes
     return total
 
 
-def _head(fmt: WeightFormat, weight: Tensor, prepared: Mapping[str, Tensor]) -> nn.Module:
-    """The LM head's kernel: Q8_0 for the int formats where it fits (else bfloat16), and the
-    format's own kernel for the float ones."""
-    if fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+def _head(fmt: WeightFormat, weight: Tensor, prepared: Mapping[str, Tensor], stored: StoredBlocks | None) -> nn.Module:
+    """The LM head's kernel: for the int formats Q8_0 where it fits (else bfloat16), or in the
+    gguf format the file's own values of a head stored in another block type (``stored``, float32
+    logits); the format's own kernel for the float ones."""
+    if fmt.is_int:
         if prepared:
+            if "c8_codes" in prepared:
+                return Codes8Linear(prepared, None, float_out=True)
             return Q8Linear(prepared, weight.shape[0])
+        if fmt is WeightFormat.GGUF and stored is not None and codes8.available() and codes8.supports(*weight.shape):
+            values = stored.as_codes8() if isinstance(stored, Q4Blocks) else stored
+            return Codes8Linear(values, None, float_out=True)
         if q8_head_fits(weight):
             return Q8Linear(q8_buffers(weight), weight.shape[0])
         return make_linear(WeightFormat.BFLOAT16, weight, None)
@@ -452,15 +502,17 @@ def _moved_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
 
 
 def apply_format(
-    model: Transformer, fmt: WeightFormat | str, *, q4_blocks: Mapping[str, Q4Blocks] | None = None,
+    model: Transformer, fmt: WeightFormat | str, *, stored: Mapping[str, StoredBlocks] | None = None,
     prepared: Mapping[str, Tensor] | None = None,
 ) -> Transformer:
     """Put ``model``'s linears into ``fmt`` in place (fusing Q/K/V and gate/up) and return it.
 
     ``model`` must hold float32 weights and must not have been formatted already; tensor
-    parallelism (``apply_tp``) goes first, so each rank formats its own slices. ``q4_blocks``
-    (parameter name -> :class:`Q4Blocks`, from :func:`~treeserve.ops.loaders.gguf.read_q4_1_blocks`)
-    gives the q4_1 format the GGUF's own codes; weights without blocks are quantized from float.
+    parallelism (``apply_tp``) goes first, so each rank formats its own slices. ``stored``
+    (parameter name -> stored values, from :func:`~treeserve.ops.loaders.gguf.read_stored_blocks`)
+    gives the q4_1 format the GGUF's own 4-bit codes and the gguf format every block type's;
+    weights without them are quantized from float (to q4_1). With ``stored``, pass the format
+    :func:`resolve_format` gives for their types (``auto`` here knows only float weights).
     ``prepared`` (from :func:`prepared_buffers` of the same model, format and code, saved
     earlier) gives the int kernels their buffers, so nothing is packed or quantized again.
     Embeddings and norms move to the format's activation dtype. The model then serves inference
@@ -472,12 +524,14 @@ def apply_format(
     if model.dtype != torch.float32:
         raise ValueError(f"apply_format needs a float32 model (the source values), got {model.dtype}")
     device = model.device
-    blocks = dict(q4_blocks or {})
-    if fmt is WeightFormat.Q4_1 and blocks:
+    # The q4_1 format takes the 4-bit blocks, the gguf format every stored type.
+    blocks = {name: b for name, b in (stored or {}).items()
+              if fmt is WeightFormat.GGUF or (fmt is WeightFormat.Q4_1 and isinstance(b, Q4Blocks))}
+    if blocks:
         params = dict(model.named_parameters())
         tp_sliced = [name for name, b in blocks.items() if name in params and b.codes.shape != params[name].shape]
         if tp_sliced:
-            raise FormatUnsupportedError("q4_1 blocks do not fit a tensor-parallel shard (run q4_1 with --tp 1)")
+            raise FormatUnsupportedError(f"a GGUF's stored blocks do not fit a tensor-parallel shard (run {fmt.value} with --tp 1)")
 
     saved = dict(prepared or {})
 
@@ -489,12 +543,12 @@ def apply_format(
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
         own = buffers_of(f"{prefix}.{fused_name}")
         part_blocks = [blocks.get(f"{prefix}.{n}.weight") for n in names]
-        q4 = None
-        if fmt is WeightFormat.Q4_1 and all(b is not None for b in part_blocks) and not own:
-            q4 = Q4Blocks(*(torch.cat([getattr(b, f) for b in part_blocks if b is not None]) for f in ("codes", "scale", "minimum")))
+        joined = None
+        if all(b is not None for b in part_blocks) and not own:
+            joined = concat_rows([b for b in part_blocks if b is not None])
         # The fused float weight only where no blocks or saved buffers stand in for it.
-        weight = None if own or q4 is not None else torch.cat([p.weight.detach() for p in parts])
-        return make_linear(fmt, weight, bias, blocks=q4, prepared=own, device=device)
+        weight = None if own or joined is not None else torch.cat([p.weight.detach() for p in parts])
+        return make_linear(fmt, weight, bias, blocks=joined, prepared=own, device=device)
 
     def single(prefix: str, linear: nn.Linear) -> nn.Module:
         bias = None if linear.bias is None else linear.bias.detach()
@@ -516,7 +570,8 @@ def apply_format(
             delattr(mlp, name)
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             norm.to(fmt.activation_dtype)
-    model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"))
+    head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"  # tied or not
+    model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"), blocks.get(head_name))
     model.embed_tokens.to(fmt.activation_dtype)
     model.norm.to(fmt.activation_dtype)
     if model.lm_head is not None:

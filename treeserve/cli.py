@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from treeserve import __version__
 from treeserve.cli_common import UserError, add_model_flags, model_name, progress
 from treeserve.ops.format_names import AUTO_FORMAT
+from treeserve.ops.loaders.registry import ModelLoadError
 
 VERIFIER_ACTOR = "treeserve.actors.verifier:VerifierShard"
 PRELOAD_HOOK = "treeserve.ops.loaders.load:preload"
@@ -125,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         code = command(args.command)(args)
     except UserError as exc:
+        print(f"treeserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ModelLoadError as exc:  # an unsupported or unreadable model: the user's to fix
         print(f"treeserve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except (FileNotFoundError, PermissionError) as exc:

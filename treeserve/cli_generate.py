@@ -158,6 +158,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
                 started = time.perf_counter()
                 completion = await client.generate(prompt, speculate=speculate, **fields)
                 elapsed = time.perf_counter() - started
+                weight_format = server.model_info.get("weight_format", config.dtype)
         except (ServerError, DeviceUnavailableError) as exc:
             raise UserError(f"{exc}") from None
     return {
@@ -170,6 +171,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
         "mean_accepted_per_step": completion.mean_accepted_per_step,
         "tokens_per_s": len(completion.token_ids) / elapsed if elapsed > 0 else 0.0,
         "ttft_s": completion.ttft_s,
+        "dtype": weight_format,
     }
 
 
@@ -231,6 +233,7 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
         "mean_accepted_per_step": mean_tokens_per_step(accepted_per_step),
         "tokens_per_s": len(result.token_ids) / elapsed if elapsed > 0 else 0.0,
         "ttft_s": None,
+        "dtype": model.weight_format,
     }
 
 
@@ -248,7 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import uvloop
 
         out = uvloop.run(_generate_via_server(args, body, specs))
-    out.update(speculate=args.speculate, dtype=args.dtype)
+    out.update(speculate=args.speculate)
     if args.json:
         print(json.dumps(out))
     else:

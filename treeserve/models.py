@@ -11,7 +11,7 @@ from __future__ import annotations
 from treeserve.ops.loaders.load import (
     CONFIG_FILE,
     CONVERTED_FORMAT_VERSION,
-    Q4_BLOCKS_FILE,
+    STORED_BLOCKS_FILE,
     WEIGHTS_FILE,
     LoadedModel,
     _formatted_path,  # tests check the formatted-buffer cache key through it
@@ -21,7 +21,7 @@ from treeserve.ops.loaders.load import (
     load_converted,
     load_model,
     prepare_for_serving,
-    q4_blocks_of,
+    stored_blocks_of,
 )
 from treeserve.ops.loaders.registry import (
     CACHE_ENV_VAR,
@@ -43,7 +43,7 @@ __all__ = [
     "CONFIG_FILE",
     "CONVERTED_FORMAT_VERSION",
     "DEFAULT_MODEL",
-    "Q4_BLOCKS_FILE",
+    "STORED_BLOCKS_FILE",
     "REGISTRY",
     "WEIGHTS_FILE",
     "LoadedModel",
@@ -60,7 +60,7 @@ __all__ = [
     "prepare_for_serving",
     "pull",
     "pull_spec",
-    "q4_blocks_of",
+    "stored_blocks_of",
     "resolve_cache_dir",
     "sha256_of",
 ]

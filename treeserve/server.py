@@ -37,6 +37,7 @@ from treeserve.actors.gateway_http_config import ServingState
 from treeserve.actors.metrics import ServingMetrics
 from treeserve.actors.policy import PREDICTION_POLICIES
 from treeserve.actors.speculator_factory import SpeculatorKind, SpeculatorSpec
+from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.runtime import (
     ActorRef,
     RestartStrategy,
@@ -216,7 +217,11 @@ class Server:
             await self._http.start()
             self._report(f"HTTP API on {self._http.url} (starting)")
         self.placement = await asyncio.to_thread(self._place_devices)  # too few GPUs: fail before anything starts
-        tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
+        try:
+            tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
+        except ModelLoadError as exc:  # an unsupported model: /health says failed, and why, until we close
+            self.failures.append(f"model: {exc}")
+            raise
         supervisor_config = SupervisorConfig(
             max_restarts=cfg.max_restarts,
             within_s=cfg.restart_window_s,

@@ -17,7 +17,7 @@ from treeserve.ops.formats import FORMAT_NAMES, WeightFormat
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
 
 
-CPU_ONLY_FORMATS = (WeightFormat.INT8.value, WeightFormat.Q4_1.value)
+CPU_ONLY_FORMATS = tuple(f.value for f in WeightFormat if f.is_int)
 """Formats whose kernels are CPU ones (``ops/formats.py`` refuses them on CUDA at load; the
 config refuses them before any process starts)."""
 

@@ -37,9 +37,14 @@ def _q8_shape(x: Tensor, codes: Tensor, scales: Tensor, out_features: int) -> Te
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
+def _q8g_shape(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor, out_features: int, float_out: bool) -> Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32 if float_out else x.dtype)
+
+
 def loaded() -> bool:
     """True when the kernel is built and loaded and this CPU has AVX2, FMA and F16C."""
     mask = cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_avx2_init",
-                                  {"treeserve_avx2::q4_mm": _q4_shape, "treeserve_avx2::q8_mm": _q8_shape},
+                                  {"treeserve_avx2::q4_mm": _q4_shape, "treeserve_avx2::q8_mm": _q8_shape,
+                                   "treeserve_avx2::q8g_mm": _q8g_shape},
                                   CPU_NEEDS, "the int formats fall back to torch's kernels", tiles=False)
     return bool(mask & cpp_build.VECTORS)

@@ -1,10 +1,12 @@
 // How the CPU kernels (q4_amx.cpp, q8_amx.cpp, q_avx2.cpp) split their work: output blocks over
 // torch's threads, and a block's rows into chunks whose row count is a template argument (so a
-// chunk's sums stay in registers). Header-only, no instruction-set code.
+// chunk's sums stay in registers); and the checks their twin ops share. Header-only, no
+// instruction-set code.
 
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <omp.h>
 #include <stdint.h>
 
@@ -36,6 +38,29 @@ inline void over_row_chunks(int64_t M, Body body) {
     if (M == R) body(std::integral_constant<int, R>{}, int64_t{0});
     else over_row_chunks<Max, R - 1>(M, body);
   }
+}
+
+// The arguments of an 8-bit-code product, q8g_mm (q4_amx.cpp and q_avx2.cpp build one each, see
+// kernels/codes8.py), checked for ``op``: bf16 rows x (M, K), the packed int8 codes of an
+// (N, K) weight, float32 scales per 16 or 32 weights, float32 zeros per 32 or none.
+struct Codes8Layout {
+  bool halves;      // scales per 16 weights (else per 32)
+  bool with_zeros;  // a zero per 32 weights
+};
+
+inline Codes8Layout check_codes8(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& zeros, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be 2-D bfloat16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && codes.numel() == N * K && codes.scalar_type() == at::kChar &&
+                  codes.is_contiguous() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  zeros.scalar_type() == at::kFloat && zeros.is_contiguous(),
+              op, ": the packing does not fit x");
+  const bool halves = scales.numel() * 16 == N * K;
+  TORCH_CHECK(halves || scales.numel() * 32 == N * K, op, ": scales must be per 32 or per 16 weights");
+  const bool with_zeros = zeros.numel() != 0;
+  TORCH_CHECK(!with_zeros || zeros.numel() * 32 == N * K, op, ": zeros must be per 32 weights");
+  return {halves, with_zeros};
 }
 
 }  // namespace treeserve_cpu

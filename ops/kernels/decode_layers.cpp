@@ -1,4 +1,5 @@
-// Every transformer block in one call, for the q4_1 format on CPUs with AVX2: a decode step, a
+// Every transformer block in one call, for the int formats of GGUF blocks (q4_1, gguf) on CPUs
+// with AVX2: a decode step, a
 // token tree, a batch of rows or a prefill of any length, each row computed the same way
 // whatever else shares the call. Built for AVX-512 where the CPU has it, else for AVX2; the two
 // builds compute the same bits (the attention's 16 lanes are one zmm register or two ymm
@@ -10,8 +11,9 @@
 // 6.5. Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each,
 // with their buffers) and its prologue reads ~130 tensor sizes; 1.5-2 ms a step on this
 // project's 2-core AVX2 host (bench/RESULTS.md). Here one op runs every block: the matrix
-// products are the q4_1 format's own op, called through the dispatcher without Python
-// (kernel 0: treeserve_avx2::q4_mm; 1: treeserve_q4::mm on int8 rows, AVX512-VNNI), the new
+// products are the formats' own ops, called through the dispatcher without Python (4-bit codes,
+// kernel 0: treeserve_avx2::q4_mm, 1: treeserve_q4::mm on int8 rows, AVX512-VNNI; 8-bit codes,
+// treeserve_avx2::q8g_mm or treeserve_q4::q8g_mm, each linear on its own kind), the new
 // tokens' K/V are stored by treeserve_attn::write_kv, and the attention and the small
 // elementwise work between them are written out below.
 //
@@ -32,9 +34,10 @@
 // path); h is (B, T, D) bf16, positions (B, T) long, tree_mask (B, T, T) bool (or empty: a
 // causal chain, as a prefill is), lengths (B,) long (committed lengths: K/V go to slots
 // lengths[b] + t), keys/values the cache's per-layer contiguous (B, n_kv, C, hd) bf16 storage,
-// rope_cos/rope_sin (P, hd) float32, and weights 10 a layer (w_in, qkv codes, qkv
-// scales_zeros, o codes, o scales_zeros, w_post, gate_up codes, gate_up scales_zeros, down
-// codes, down scales_zeros; the norms' weights float32) and the final norm's last.
+// rope_cos/rope_sin (P, hd) float32, and weights 14 a layer (w_in, qkv's three, o's three,
+// w_post, gate_up's three, down's three; the norms' weights float32) and the final norm's last.
+// A linear's three are (codes, scales_zeros bf16, empty) on the 4-bit kernel's packing or
+// (codes, scales float32, zeros) on the 8-bit codes' (kernels/codes8.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -62,7 +65,7 @@ using simd16::bf16_round8;
 using simd16::bf16x8;
 using simd16::reduce_add8;
 
-constexpr int64_t kWeightsPerLayer = 10;
+constexpr int64_t kWeightsPerLayer = 14;
 constexpr int64_t kGrain = 4;  // rows a thread takes in the elementwise stages
 
 inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -570,6 +573,23 @@ at::Tensor q4_mm(int64_t kernel, const at::Tensor& x, const at::Tensor& codes, c
   return op.call(x, codes, scales_zeros, out_features, 2, true);
 }
 
+using Codes8Fn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, int64_t, bool)>;
+
+// One linear of a layer, w its three weights: the 4-bit kernel's packing (scales_zeros bf16) or
+// the 8-bit codes' (scales float32), on this CPU's kernel of that kind.
+at::Tensor linear(int64_t kernel, const at::Tensor& x, const at::Tensor* w, int64_t out_features) {
+  if (w[1].scalar_type() == at::kBFloat16) return q4_mm(kernel, x, w[0], w[1], out_features);
+  TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[0].numel() == out_features * x.size(1),
+              "treeserve_layers::run: a linear's weights must be the 4-bit or the 8-bit codes' packing");
+  static Codes8Fn avx2 = c10::Dispatcher::singleton().findSchemaOrThrow("treeserve_avx2::q8g_mm", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>();
+  if (kernel == 0) return avx2.call(x, w[0], w[1], w[2], out_features, false);
+  static Codes8Fn vnni = c10::Dispatcher::singleton().findSchemaOrThrow("treeserve_q4::q8g_mm", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>();
+  return vnni.call(x, w[0], w[1], w[2], out_features, false);
+}
+
 at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at::Tensor& tree_mask_in,
                const at::Tensor& lengths_in, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
                const at::Tensor& rope_sin, at::TensorList weights, int64_t num_heads, int64_t num_kv_heads,
@@ -629,13 +649,11 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   const auto* sin_p = rope_sin.data_ptr<float>();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[5].scalar_type() == at::kFloat && w[0].numel() == D &&
-                    w[5].numel() == D && w[2].dim() == 4 && w[2].size(0) * 32 == width && w[4].size(0) * 32 == D &&
-                    w[7].dim() == 4 && w[9].size(0) * 32 == D,
-                "treeserve_layers::run: the norms' weights must be (D,) float32, and the linears' scales_zeros "
-                "(N/32, K/32, 2, 32) of q|k|v, o, gate|up and down");
+    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[7].scalar_type() == at::kFloat && w[0].numel() == D &&
+                    w[7].numel() == D && w[8].numel() % (2 * D) == 0,
+                "treeserve_layers::run: the norms' weights must be (D,) float32");
     rms_norm(hp, w[0].data_ptr<float>(), rows, D, eps, xp);
-    const at::Tensor qkv = q4_mm(kernel, x, w[1], w[2], width);  // (rows, width)
+    const at::Tensor qkv = linear(kernel, x, w + 1, width);  // (rows, width)
     const auto* qkv_p = reinterpret_cast<const bf16*>(qkv.data_ptr());
     rope(qkv_p, width, 0, num_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(q.data_ptr()));
     rope(qkv_p, width, q_size, num_kv_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(k.data_ptr()));
@@ -645,14 +663,14 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
     attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), bits(reinterpret_cast<const bf16*>(layer_keys.data_ptr())),
            bits(reinterpret_cast<const bf16*>(layer_values.data_ptr())), len, mask, shape,
            bits(reinterpret_cast<bf16*>(attended.data_ptr())));
-    const at::Tensor o = q4_mm(kernel, attended, w[3], w[4], D);
+    const at::Tensor o = linear(kernel, attended, w + 4, D);
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);
-    rms_norm(hp, w[5].data_ptr<float>(), rows, D, eps, xp);
-    const int64_t ffn = w[7].size(0) * 32 / 2;  // gate_up's scales_zeros: (2F/32, D/32, 2, 32)
-    const at::Tensor gate_up = q4_mm(kernel, x, w[6], w[7], 2 * ffn);
+    rms_norm(hp, w[7].data_ptr<float>(), rows, D, eps, xp);
+    const int64_t ffn = w[8].numel() * (w[9].scalar_type() == at::kBFloat16 ? 2 : 1) / (2 * D);  // gate_up's codes
+    const at::Tensor gate_up = linear(kernel, x, w + 8, 2 * ffn);
     at::Tensor act = at::empty({rows, ffn}, h.options());
     silu_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, reinterpret_cast<bf16*>(act.data_ptr()));
-    const at::Tensor down = q4_mm(kernel, act, w[8], w[9], D);
+    const at::Tensor down = linear(kernel, act, w + 11, D);
     add_into(hp, reinterpret_cast<const bf16*>(down.data_ptr()), rows * D);
   }
   const at::Tensor& final_norm = weights[weights.size() - 1];

@@ -1,10 +1,11 @@
-"""Every transformer block in one C++ op (``decode_layers.cpp``): the q4_1 format's forward on
-CPUs with AVX2, for every shape serving runs (a decode step, a token tree, a batch of rows, a
+"""Every transformer block in one C++ op (``decode_layers.cpp``): the forward of the formats of
+GGUF blocks (q4_1, and gguf's mix of 4-bit and 8-bit codes) on CPUs with AVX2, for every shape serving runs (a decode step, a token tree, a batch of rows, a
 prefill of any length), with one answer per row.
 
 ``torch.ops.treeserve_layers.run`` computes each row of its input the same way whatever else
-shares the call: the q4_1 products quantize each row on its own and sum exact int32 dots per
-group (the AVX2 kernel, or ``q4_amx``'s int8 rows on AVX512-VNNI: :func:`kernel_of`); the norms,
+shares the call: the products (4-bit or 8-bit codes, each linear on its own kernel) quantize
+each row on its own and sum exact int32 dots per group (the AVX2 kernels, or those of
+``q4_amx.cpp`` on AVX512-VNNI: :func:`kernel_of`); the norms,
 RoPE, SiLU and residual adds work row by row in a fixed order; and the attention sums over each
 token's visible keys in an order fixed by their place in its own sequence (see the .cpp). So a
 token's logits are the same bits in a one-token step, a chain, a tree, a batch of 64 rows or a
@@ -16,7 +17,8 @@ other).
 
 It also spares the compiled step's Python wrapper (~330 calls a step), so q4_1 needs neither
 Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
-linears on the ``q4_amx`` packing with one of the two int8-row kernels, without biases or hooks
+linears on the ``q4_amx`` packing with one of the two int8-row kernels or on ``codes8``'s (on the
+same CPU's kernels), without biases or hooks
 (a tensor-parallel shard's all-reduce keeps the compiled step), bf16 activations, a head size
 that is a multiple of 16 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
 :func:`~treeserve.ops.decode_step.blocks_hidden`'s arguments and returns its result.
@@ -72,10 +74,10 @@ def available() -> bool:
 
 
 def kernel_of(model: torch.nn.Module) -> int | None:
-    """The op's ``kernel`` argument for ``model``'s q4_1 linears: 0 where they run the AVX2
-    kernel, 1 where they run ``q4_amx``'s int8 rows (AVX512-VNNI); None where they run neither
+    """The op's ``kernel`` argument for ``model``'s linears: 0 where they run the AVX2 kernels,
+    1 where they run ``q4_amx.cpp``'s int8 rows (AVX512-VNNI); None where they run neither
     (torch's int4 kernel, or bf16 rows on AMX tiles), or are not all alike."""
-    from treeserve.ops.formats import Int4Linear
+    from treeserve.ops.formats import Codes8Linear, Int4Linear
     from treeserve.ops.model import Block, Transformer
 
     model = cast(Transformer, model)
@@ -83,9 +85,12 @@ def kernel_of(model: torch.nn.Module) -> int | None:
     for module in model.layers:
         block = cast(Block, module)
         for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
-            if not isinstance(m, Int4Linear) or m.amx_codes is None or m.bias is not None:
+            if isinstance(m, Codes8Linear) and m.bias is None:
+                kinds.add(0 if m.avx2 else 1)
+            elif isinstance(m, Int4Linear) and m.amx_codes is not None and m.bias is None:
+                kinds.add(0 if m.avx2 else 1 if m.int8_rows else None)
+            else:
                 return None
-            kinds.add(0 if m.avx2 else 1 if m.int8_rows else None)
     return kinds.pop() if len(kinds) == 1 else None
 
 
@@ -108,23 +113,26 @@ def fits(model: torch.nn.Module) -> bool:
 
 
 def weights(model: torch.nn.Module) -> list[Tensor]:
-    """The op's ``weights`` list for ``model`` (10 a block, then the final norm's): the linears'
-    own buffers and the norms' weights in float32 (exact copies of their bf16 values)."""
-    from treeserve.ops.formats import Int4Linear
+    """The op's ``weights`` list for ``model`` (14 a block, then the final norm's): the linears'
+    own buffers, three each, and the norms' weights in float32 (exact copies of their bf16
+    values)."""
+    from treeserve.ops.formats import Codes8Linear, Int4Linear
     from treeserve.ops.model import Block, Transformer
+
+    def three(linear: torch.nn.Module) -> list[Tensor]:
+        if isinstance(linear, Codes8Linear):
+            return [linear.c8_codes, linear.c8_scales, linear.c8_zeros]
+        linear = cast(Int4Linear, linear)
+        return [cast(Tensor, linear.amx_codes), cast(Tensor, linear.amx_scales_zeros), _NO_MASK]
 
     model = cast(Transformer, model)
     out: list[Tensor] = []
     for module in model.layers:
         block = cast(Block, module)
         out.append(block.input_layernorm.weight.detach().float().contiguous())
-        for linear in (block.self_attn.qkv_proj, block.self_attn.o_proj):
-            linear = cast(Int4Linear, linear)
-            out += [cast(Tensor, linear.amx_codes), cast(Tensor, linear.amx_scales_zeros)]
+        out += three(block.self_attn.qkv_proj) + three(block.self_attn.o_proj)
         out.append(block.post_attention_layernorm.weight.detach().float().contiguous())
-        for linear in (block.mlp.gate_up_proj, block.mlp.down_proj):
-            linear = cast(Int4Linear, linear)
-            out += [cast(Tensor, linear.amx_codes), cast(Tensor, linear.amx_scales_zeros)]
+        out += three(block.mlp.gate_up_proj) + three(block.mlp.down_proj)
     out.append(model.norm.weight.detach().float().contiguous())
     return out
 

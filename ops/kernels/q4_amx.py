@@ -69,8 +69,13 @@ def _mm_shape(x: Tensor, codes: Tensor, scales_zeros: Tensor, out_features: int,
     return x.new_empty((x.shape[0], out_features))
 
 
+def _q8g_shape(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor, out_features: int, float_out: bool) -> Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32 if float_out else x.dtype)
+
+
 def _loaded() -> int:
-    return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q4_amx_init", {"treeserve_q4::mm": _mm_shape},
+    return cpp_build.load_amx_ops(SOURCE, FLAGS, "ts_q4_amx_init",
+                                  {"treeserve_q4::mm": _mm_shape, "treeserve_q4::q8g_mm": _q8g_shape},
                                   CPU_NEEDS, "q4_1 runs the AVX2 kernel (q_avx2.cpp) where the CPU has AVX2, else torch's int4 kernel")
 
 

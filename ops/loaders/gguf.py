@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.ops.formats import Q4Blocks
+from treeserve.ops.block_types import BLOCK_TYPES, StoredBlocks, UnsupportedBlockType, check_supported
+from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.ops.model import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -44,8 +45,9 @@ _TOP_NAMES = {
 }
 
 
-class GGUFFormatError(ValueError):
-    """The GGUF file is not a supported LLaMA-family model or lacks a required field."""
+class GGUFFormatError(ModelLoadError, ValueError):
+    """The GGUF file is not a supported model (architecture, block type) or lacks a required
+    field: the command line reports it in one line (a :class:`ModelLoadError`)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,12 @@ def config_from_gguf(reader: Any) -> tuple[ModelConfig, str]:
         embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
         vocab = len(tokens.data) if tokens is not None else int(embd.shape[-1])
     names = {t.name for t in reader.tensors}
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):
+        # Llama 3.1+'s per-frequency factors, linear or YaRN scaling: served without them the
+        # model would answer, wrongly.
+        raise GGUFFormatError(f"GGUF rope scaling ({scaling or 'rope_freqs'}) is not supported yet; "
+                              f"supported: plain rope (llama, qwen2)")
     config = ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
@@ -146,7 +154,7 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
     """:func:`read_gguf` for an already open ``gguf.GGUFReader`` (opening one costs seconds)."""
     import gguf
 
-    config, arch = config_from_gguf(reader)
+    config, arch = check_reader(reader)
     state: dict[str, Tensor] = {}
     for tensor in reader.tensors:
         name = torch_name(tensor.name)
@@ -168,23 +176,28 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
     return GGUFModel(config=config, state_dict=state, architecture=arch)
 
 
-def q4_1_blocks_from_raw(raw: np.ndarray) -> Q4Blocks:
-    """Decode a GGUF Q4_1 tensor's raw bytes ``(N, K/32 * 20)`` into :class:`Q4Blocks`.
-
-    A block is 20 bytes: ``d`` (float16), ``m`` (float16), then 16 bytes whose low nibbles are
-    elements 0..15 and high nibbles elements 16..31 (ggml's ``block_q4_1``).
-    """
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 20)  # (N, K/32, 20)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (N, K/32)
-    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    packed = blocks[..., 4:]  # (N, K/32, 16)
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)  # (N, K)
-    return Q4Blocks(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale.copy()), torch.from_numpy(minimum.copy()))
+def tensor_types(reader: Any) -> dict[str, str]:
+    """The GGUF type name (``Q4_K``, ``F32``...) of every tensor we use, by GGUF tensor name."""
+    return {t.name: t.tensor_type.name for t in reader.tensors if torch_name(t.name) is not None}
 
 
-def read_q4_1_blocks(path: str | Path) -> dict[str, Q4Blocks]:
-    """The Q4_1 blocks of every Q4_1 linear weight in a GGUF, by our parameter name.
+def check_reader(reader: Any) -> tuple[ModelConfig, str]:
+    """The model's config and architecture, once its architecture, metadata and every used
+    tensor's block type are known to be supported (:class:`GGUFFormatError` otherwise): the check
+    that runs before anything is converted or cached."""
+    config, arch = config_from_gguf(reader)
+    try:
+        check_supported(tensor_types(reader))
+    except UnsupportedBlockType as exc:
+        raise GGUFFormatError(str(exc)) from None
+    return config, arch
+
+
+def read_stored_blocks(path: str | Path) -> dict[str, StoredBlocks]:
+    """The stored values of every linear weight held in an integer block type
+    (:data:`~treeserve.ops.block_types.BLOCK_TYPES`), and of the embedding and output matrices
+    (the LM head) where they are not Q8_0, by our parameter name, in the form of the kernel that
+    serves them.
 
     Q/K rows are unpermuted exactly as :func:`read_gguf` unpermutes the dequantized weights
     (a row permutation: blocks run along the input dimension), so
@@ -193,13 +206,16 @@ def read_q4_1_blocks(path: str | Path) -> dict[str, Q4Blocks]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    config, arch = config_from_gguf(reader)
-    found: dict[str, Q4Blocks] = {}
+    config, arch = check_reader(reader)
+    found: dict[str, StoredBlocks] = {}
     for tensor in reader.tensors:
         name = torch_name(tensor.name)
-        if name is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or not name.endswith(".weight"):
+        kind = BLOCK_TYPES.get(tensor.tensor_type.name)
+        if name is None or kind is None or not name.endswith(".weight"):
             continue
-        blocks = q4_1_blocks_from_raw(np.asarray(tensor.data))
+        if name in ("lm_head.weight", "embed_tokens.weight") and kind.name == "Q8_0":
+            continue  # the int formats' Q8_0 head recovers these codes from the float values
+        blocks = kind.stored(np.asarray(tensor.data), int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1)
         if arch in PERMUTED_ARCHITECTURES and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             order = torch.from_numpy(unpermute_llama_rope(np.arange(blocks.codes.shape[0]), heads))

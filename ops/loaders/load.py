@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from treeserve.ops.formats import PREPARED_KERNELS, Q4Blocks, WeightFormat, apply_format, prepared_buffers, resolve_format
+from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks
+from treeserve.ops.formats import PREPARED_KERNELS, WeightFormat, apply_format, prepared_buffers, resolve_format
 from treeserve.ops.loaders.registry import (
     DEFAULT_MODEL,
     REGISTRY,
@@ -40,7 +41,7 @@ from treeserve.ops.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CONVERTED_FORMAT_VERSION = 1
+CONVERTED_FORMAT_VERSION = 2
 CONFIG_FILE = "treeserve-config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -75,18 +76,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressCallback |
 
     import gguf
 
-    from treeserve.ops.loaders.gguf import read_gguf_reader
+    from treeserve.ops.loaders.gguf import GGUFFormatError, check_reader, read_gguf_reader, tensor_types, torch_name
+    from treeserve.ops.tokenizer import TokenizerError
 
-    report_progress(progress, "convert", f"dequantizing {gguf_path.name} (one time)")
     reader = gguf.GGUFReader(str(gguf_path))
+    check_reader(reader)  # an unsupported architecture, block type or tokenizer: nothing written
+    try:
+        tokenizer = Tokenizer.from_gguf_reader(reader)
+    except TokenizerError as exc:
+        raise GGUFFormatError(str(exc)) from None
+    report_progress(progress, "convert", f"reading {gguf_path.name} (one time)")
     model = read_gguf_reader(reader)
-    tokenizer = Tokenizer.from_gguf_reader(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:
         save_file(model.state_dict, str(tmp / WEIGHTS_FILE))
+        types = {torch_name(name): kind for name, kind in tensor_types(reader).items()}
         meta = {"format_version": CONVERTED_FORMAT_VERSION, "architecture": model.architecture,
-                "source": str(gguf_path), "config": asdict(model.config)}
+                "source": str(gguf_path), "config": asdict(model.config), "tensor_types": types}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         tokenizer.save(tmp)
         if out_dir.exists():
@@ -201,8 +208,8 @@ def preload(model: str, cache_dir: str | None = None, weight_format: str | None 
     net, tokenizer = load_converted(folder, torch.float32)
     saved = None
     if weight_format is not None:
-        fmt = resolve_format(weight_format, net.config, net.device)
-        saved = _formatted_path(net, path, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
+        fmt = resolve_format(weight_format, net.config, net.device, stored_types_of(path, cache_dir))
+        saved = _formatted_path(net, path, fmt, cache_dir) if fmt.is_int else None
     if saved is not None and saved.exists():
         buffers = _preloaded_buffers[saved] = read_buffers(saved)
         for tensor in buffers.values():
@@ -238,7 +245,7 @@ def touch_pages(tensor: torch.Tensor) -> None:
         flat[::step].sum()
 
 
-Q4_BLOCKS_FILE = "q4_1-blocks.safetensors"
+STORED_BLOCKS_FILE = "stored-blocks.safetensors"
 
 
 def gguf_source_of(source: Path) -> Path | None:
@@ -253,29 +260,56 @@ def gguf_source_of(source: Path) -> Path | None:
     return None
 
 
-def q4_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, Q4Blocks]:
-    """The GGUF's own Q4_1 blocks by parameter name (empty when the weights are not from a GGUF).
+def stored_types_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, str]:
+    """The GGUF block type of each weight by parameter name (empty when not from a GGUF), as
+    recorded in its converted folder."""
+    gguf_path = gguf_source_of(source)
+    if gguf_path is None:
+        return {}
+    meta_path = converted_dir_for(gguf_path, cache_dir) / CONFIG_FILE
+    if not meta_path.exists():
+        return {}
+    types: dict[str, str] = json.loads(meta_path.read_text(encoding="utf-8")).get("tensor_types", {})
+    return types
 
-    Decoded once from the GGUF (about 5 s) and kept beside its converted weights.
-    """
+
+def stored_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, StoredBlocks]:
+    """The GGUF's own values of its integer-typed linear weights by parameter name
+    (:func:`~treeserve.ops.loaders.gguf.read_stored_blocks`; empty when the weights are not from a
+    GGUF). Decoded once from the GGUF (about 5 s for the default model) and kept beside its
+    converted weights."""
     from safetensors.torch import load_file, save_file
 
     gguf_path = gguf_source_of(source)
     if gguf_path is None:
         return {}
-    cached = converted_dir_for(gguf_path, cache_dir) / Q4_BLOCKS_FILE
+    cached = converted_dir_for(gguf_path, cache_dir) / STORED_BLOCKS_FILE
     if not cached.exists():
-        from treeserve.ops.loaders.gguf import read_q4_1_blocks
+        from treeserve.ops.loaders.gguf import read_stored_blocks
 
-        blocks = read_q4_1_blocks(gguf_path)
-        flat = {f"{name}.{field}": getattr(b, field) for name, b in blocks.items() for field in ("codes", "scale", "minimum")}
+        flat: dict[str, torch.Tensor] = {}
+        for name, b in read_stored_blocks(gguf_path).items():
+            if isinstance(b, Q4Blocks):
+                flat.update({f"{name}.q4.codes": b.codes, f"{name}.q4.scale": b.scale, f"{name}.q4.minimum": b.minimum})
+            else:
+                flat.update({f"{name}.c8.codes": b.codes, f"{name}.c8.scales": b.scales})
+                if b.zeros is not None:
+                    flat[f"{name}.c8.zeros"] = b.zeros
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(f".partial-{os.getpid()}")
         save_file(flat, str(partial))
         os.replace(partial, cached)
     flat = load_file(str(cached))
-    names = {key.rsplit(".", 1)[0] for key in flat}
-    return {n: Q4Blocks(flat[f"{n}.codes"], flat[f"{n}.scale"], flat[f"{n}.minimum"]) for n in names}
+    found: dict[str, StoredBlocks] = {}
+    for key in flat:
+        name, kind, field = key.rsplit(".", 2)
+        if field != "codes":
+            continue
+        if kind == "q4":
+            found[name] = Q4Blocks(flat[key], flat[f"{name}.q4.scale"], flat[f"{name}.q4.minimum"])
+        else:
+            found[name] = Codes8Blocks(flat[key], flat[f"{name}.c8.scales"], flat.get(f"{name}.c8.zeros"))
+    return found
 
 
 def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_dir: str | Path | None) -> Path:
@@ -287,17 +321,18 @@ def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_d
     them back a fraction of a second.
     """
     from treeserve.ops import formats
-    from treeserve.ops.kernels import q4_amx, q8_amx
+    from treeserve.ops.kernels import codes8, q4_amx, q8_amx
 
-    files = sorted(p for p in (source.iterdir() if source.is_dir() else [source]) if p.is_file() and p.name != Q4_BLOCKS_FILE)
+    files = sorted(p for p in (source.iterdir() if source.is_dir() else [source]) if p.is_file() and p.name != STORED_BLOCKS_FILE)
     gguf = gguf_source_of(source)
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files + ([gguf] if gguf else [])]
-    modules = (formats.__file__, q4_amx.__file__, q4_amx.SOURCE, q8_amx.__file__, q8_amx.SOURCE)
+    modules = (formats.__file__, q4_amx.__file__, q4_amx.SOURCE, q8_amx.__file__, q8_amx.SOURCE, codes8.__file__)
     code = b"".join(Path(m).read_bytes() for m in modules if m)
     key = "|".join([
         repr(stats), repr([(name, tuple(p.shape)) for name, p in model.named_parameters()]), fmt.value,
-        torch.__version__, hashlib.sha256(code).hexdigest(), f"amx={fmt is WeightFormat.Q4_1 and q4_amx.available()}",
-        f"q8={fmt in (WeightFormat.INT8, WeightFormat.Q4_1) and q8_amx.available()}",
+        torch.__version__, hashlib.sha256(code).hexdigest(),
+        f"amx={fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) and q4_amx.available()}",
+        f"q8={fmt.is_int and q8_amx.available()}", f"c8={fmt is WeightFormat.GGUF and codes8.available()}",
         ",".join(sorted(k.__name__ for k in PREPARED_KERNELS)),
     ])
     # Named by model, format and shapes (a tensor-parallel rank's slice has its own), then the key.
@@ -338,14 +373,14 @@ def prepare_for_serving(
     """
     from treeserve.ops.decode_step import DecodeStep, artifact_name
 
-    fmt = resolve_format(weight_format, model.config, model.device)
-    saved = _formatted_path(model, source, fmt, cache_dir) if fmt in (WeightFormat.INT8, WeightFormat.Q4_1) else None
+    fmt = resolve_format(weight_format, model.config, model.device, stored_types_of(source, cache_dir))
+    saved = _formatted_path(model, source, fmt, cache_dir) if fmt.is_int else None
     if saved is not None and (saved in _preloaded_buffers or saved.exists()):
         prepared = _preloaded_buffers.pop(saved, None)
         apply_format(model, fmt, prepared=read_buffers(saved) if prepared is None else prepared)
     else:
-        blocks = q4_blocks_of(source, cache_dir) if fmt is WeightFormat.Q4_1 else {}
-        apply_format(model, fmt, q4_blocks=blocks)
+        blocks = stored_blocks_of(source, cache_dir) if fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) else {}
+        apply_format(model, fmt, stored=blocks)
         if saved is not None and model.device.type == "cpu":
             from safetensors.torch import save_file
 

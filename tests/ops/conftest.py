@@ -77,6 +77,11 @@ TOKENIZER_CORPUS = (
 
 @pytest.fixture(scope="session")
 def tiny_bpe_backend() -> Any:
+    """:func:`train_tiny_bpe`'s tokenizer, once a session."""
+    return train_tiny_bpe()
+
+
+def train_tiny_bpe() -> Any:
     """A small trained byte-level BPE (``tokenizers.Tokenizer``) with the smollm pre-tokenizer.
 
     Ids 0..2 are the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
@@ -200,3 +205,21 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
 def write_tiny_gguf() -> Callable[..., Transformer]:
     """Fixture form of :func:`write_gguf` ``(path, model, arch, backend, template=ChatML)``."""
     return write_gguf
+
+
+# Where each GGUF block type keeps its float16 scales (byte offsets in a block): random bytes
+# there would make NaN and inf scales, so they get finite values instead.
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2),
+               "Q6_K": (208,), "Q8_0": (0,)}
+
+
+def random_raw(kind: Any, rows: int, blocks_per_row: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """``rows`` rows of random blocks of the block type ``kind`` (a
+    :class:`~treeserve.ops.block_types.BlockType`): raw bytes ``(rows, blocks * type_size)``,
+    every bit random but the float16 scales (normal, times ``scale``)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * blocks_per_row, kind.type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[kind.name]:
+        scales = (rng.standard_normal(rows * blocks_per_row) * scale).astype(np.float16)
+        raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)

@@ -21,7 +21,7 @@ from treeserve.ops.formats import (
     weight_bytes_per_token,
 )
 from treeserve.ops.kernels import q4_amx
-from treeserve.ops.loaders.gguf import q4_1_blocks_from_raw
+from treeserve.ops.block_types import BLOCK_TYPES
 from treeserve.ops.tree_attention import tree_mask_from_parents
 
 from .conftest import make_tiny_model
@@ -41,6 +41,7 @@ FORMAT_DIMS = dict(dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8,
 # where it multiplies by int8 rows (a CPU without AMX, ``q4_amx.int8_rows``) each group of 32
 # activations is also rounded to 1/254 of its range, which measured 0.092 here.
 LOGIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 0.05, "int8": 0.08, "q4_1": 0.12 if q4_amx.int8_rows() else 0.05}
+LOGIT_TOLERANCE["gguf"] = LOGIT_TOLERANCE["q4_1"]  # the same 4-bit blocks, on the same kernel
 
 
 def q4_model(seed: int) -> tuple[torch.nn.Module, dict[str, Q4Blocks]]:
@@ -80,7 +81,7 @@ def test_format_logits_match_float32(name: str) -> None:
     prompt = torch.tensor([[1, 7, 9, 33, 2, 8, 60, 11]])
     reference = _logits(q4_model(3)[0], prompt)
     model, blocks = q4_model(3)
-    formatted = apply_format(model, name, q4_blocks=blocks)
+    formatted = apply_format(model, name, stored=blocks)
     assert formatted.weight_format == name
     assert formatted.dtype == WeightFormat(name).activation_dtype
     logits = _logits(formatted, prompt)
@@ -113,11 +114,16 @@ def test_apply_format_refuses_twice_and_non_float32() -> None:
     assert apply_format(make_tiny_model(0, **FORMAT_DIMS), AUTO_FORMAT).weight_format == "q4_1"
     config = make_tiny_model(0, **FORMAT_DIMS).config
     assert resolve_format(AUTO_FORMAT, config, torch.device("cuda")) is WeightFormat.BFLOAT16  # int kernels: CPU only
+    # auto on a GGUF is its stored format: q4_1 for Q4_1 linears, gguf for any other mix.
+    q4_1 = {"layers.0.self_attn.q_proj.weight": "Q4_1", "layers.0.input_layernorm.weight": "F32", "embed_tokens.weight": "Q8_0"}
+    assert resolve_format(AUTO_FORMAT, config, None, q4_1) is WeightFormat.Q4_1
+    mixed = {**q4_1, "layers.0.mlp.down_proj.weight": "Q6_K"}
+    assert resolve_format(AUTO_FORMAT, config, None, mixed) is WeightFormat.GGUF
 
 
 def test_int_formats_refuse_cuda_with_a_clear_error() -> None:
     weight = torch.zeros(64, 64)
-    for fmt in (WeightFormat.INT8, WeightFormat.Q4_1):
+    for fmt in (WeightFormat.INT8, WeightFormat.Q4_1, WeightFormat.GGUF):
         with pytest.raises(FormatUnsupportedError, match="CPU kernels only"):
             make_linear(fmt, weight, None, device=torch.device("cuda"))
 
@@ -155,7 +161,7 @@ def test_q4_1_raw_blocks_decode_like_ggml() -> None:
             raw[r, b, 0:2] = np.frombuffer(d[r, b].tobytes(), dtype=np.uint8)
             raw[r, b, 2:4] = np.frombuffer(m[r, b].tobytes(), dtype=np.uint8)
             raw[r, b, 4:] = block[:16] | (block[16:] << 4)
-    blocks = q4_1_blocks_from_raw(raw.reshape(3, 40))
+    blocks = BLOCK_TYPES["Q4_1"].stored(raw.reshape(3, 40), rows=3)
     assert np.array_equal(blocks.codes.numpy(), codes)
     expected = d.astype(np.float32).repeat(32, axis=1) * codes + m.astype(np.float32).repeat(32, axis=1)
     assert np.array_equal(blocks.dequantize().numpy(), expected)
@@ -171,9 +177,9 @@ def test_weight_bytes_per_token_counts_the_formats_storage() -> None:
 def test_q4_1_reproduces_the_ggufs_blocks(default_model) -> None:
     """On the real GGUF: the blocks decode to exactly the dequantized float32 weights, and the
     served q4_1 model's kernels apply them within the bf16 rounding of scale and zero."""
-    from treeserve.models import q4_blocks_of
+    from treeserve.models import stored_blocks_of
 
-    blocks = q4_blocks_of(default_model.source)
+    blocks = stored_blocks_of(default_model.source)
     state = default_model.model.state_dict()
     assert len(blocks) == 210
     for name, b in blocks.items():
