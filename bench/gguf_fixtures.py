@@ -8,9 +8,10 @@ own int8 activations already move the logits by up to 2-3% of it), so top-1 agre
 measure ties; five steps make the next token clear (a median gap of 30%) and leave the network
 far from a lookup table. It is written in float32 by the gguf package's writer
 (``tests/ops/conftest.py``'s ``write_gguf``), then requantized by llama.cpp
-(``llama_model_quantize``) into each file type of :data:`FILE_TYPES`. llama.cpp then scores the
-corpus's first :data:`NUM_TOKENS` tokens on each file (``logits_all``), and the logits are saved
-beside it. Bench-only (llama-cpp-python builds in minutes; see
+(``llama_model_quantize``) into each file type of :data:`FILE_TYPES`, once more with Llama 3.1's rope scaling (``rope_freqs``) in Q8_0, and as a
+``qwen2`` model (Q/K/V biases, an untied head) and a ``qwen3`` one (per-head Q/K norms) in Q4_K_M.
+llama.cpp then scores the corpus's first :data:`NUM_TOKENS` tokens on each file (``logits_all``),
+and the logits are saved beside it. Bench-only (llama-cpp-python builds in minutes; see
 ``bench/RESULTS.md`` for the flags):
 
     python bench/gguf_fixtures.py [--out tests/ops/data/gguf]
@@ -60,15 +61,15 @@ def llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)
 
 
-def train(model: Any, tokens: list[int]) -> None:
-    """:data:`TRAIN_STEPS` steps of next-token cross-entropy on ``tokens`` (the forward without
-    its inference-mode decorator, so that gradients flow)."""
+def train(model: Any, tokens: list[int], steps: int = TRAIN_STEPS) -> None:
+    """``steps`` steps of next-token cross-entropy on ``tokens`` (the forward without its
+    inference-mode decorator, so that gradients flow)."""
     import torch
 
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     x = torch.tensor([tokens])
-    for _ in range(TRAIN_STEPS):
+    for _ in range(steps):
         logits = type(model).forward.__wrapped__(model, x, model.new_cache(1, len(tokens)))
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), x[0, 1:])
         optimizer.zero_grad()
@@ -110,6 +111,52 @@ def main() -> None:
             types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
             meta["files"][name] = {"block_types": types, "bytes": target.stat().st_size}
             print(name, types, target.stat().st_size, flush=True)
+        # Llama 3.1's rope scaling: the same model with per-frequency factors (the llama3
+        # formula on a short original context, so that they span 1 to 8), in Q8_0.
+        from treeserve.ops.loaders.hf import hf_rope_factors
+
+        factors = hf_rope_factors({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}, model.config.rope_base, DIMS["head_dim"])
+        scaled = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, rope_factors=factors, **DIMS)
+        train(scaled, corpus[:200])  # on its own rope, so that its next tokens are as clear
+        source3 = Path(tmp) / "tiny-llama3-f32.gguf"
+        helpers.write_gguf(source3, scaled, "llama", backend)
+        target = args.out / "tiny-llama3-Q8_0.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(source3).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit("llama.cpp could not write the llama3 file")
+        np.save(args.out / "tiny-llama3-Q8_0.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
+        meta["llama3"] = {"file": target.name, "rope_factors": list(factors), "bytes": target.stat().st_size}
+        # qwen2: Q/K/V biases, untied head, Q4_K_M.
+        qwen = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, qkv_bias=True, tie_embeddings=False,
+                                       **DIMS)
+        train(qwen, corpus[:200], steps=8)  # five left two near ties (gaps of 0.3% of the range)
+        source_q = Path(tmp) / "tiny-qwen2-f32.gguf"
+        helpers.write_gguf(source_q, qwen, "qwen2", backend)
+        target = args.out / "tiny-qwen2-Q4_K_M.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(source_q).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit("llama.cpp could not write the qwen2 file")
+        np.save(args.out / "tiny-qwen2-Q4_K_M.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
+        import gguf
+
+        types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
+        meta["qwen2"] = {"file": target.name, "block_types": types, "bytes": target.stat().st_size, "train_steps": 8}
+        # qwen3: per-head Q/K norms, no biases, Q4_K_M.
+        qwen3 = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, qk_norm=True, **DIMS)
+        train(qwen3, corpus[:200], steps=8)
+        source_q3 = Path(tmp) / "tiny-qwen3-f32.gguf"
+        helpers.write_gguf(source_q3, qwen3, "qwen3", backend)
+        target = args.out / "tiny-qwen3-Q4_K_M.gguf"
+        if llama_cpp.llama_model_quantize(str(source_q3).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit("llama.cpp could not write the qwen3 file")
+        np.save(args.out / "tiny-qwen3-Q4_K_M.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
+        types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
+        meta["qwen3"] = {"file": target.name, "block_types": types, "bytes": target.stat().st_size, "train_steps": 8}
     (args.out / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 

@@ -104,8 +104,11 @@ def blocks_hidden(
         if attn.qkv_proj is None:
             raise ValueError("the decode step needs a formatted model (formats.apply_format fuses its projections)")
         q, k, v = attn.qkv_proj(block.input_layernorm(h)).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(batch, num_new, num_heads, head_dim), cos, sin)  # (B, T, H, hd)
-        k = apply_rope(k.view(batch, num_new, num_kv, head_dim), cos, sin)  # (B, T, n_kv, hd)
+        q, k = q.view(batch, num_new, num_heads, head_dim), k.view(batch, num_new, num_kv, head_dim)
+        if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3's per-head norms
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q, cos, sin)  # (B, T, H, hd)
+        k = apply_rope(k, cos, sin)  # (B, T, n_kv, hd)
         v = v.view(batch, num_new, num_kv, head_dim)
         if fused:
             tree_attention_cpu.write_kv(keys[index], values[index], k, v, lengths)

@@ -568,8 +568,9 @@ def apply_format(
             delattr(attn, name)
         for name in ("gate_proj", "up_proj"):
             delattr(mlp, name)
-        for norm in (block.input_layernorm, block.post_attention_layernorm):
-            norm.to(fmt.activation_dtype)
+        for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm):
+            if norm is not None:
+                norm.to(fmt.activation_dtype)
     head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"  # tied or not
     model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"), blocks.get(head_name))
     model.embed_tokens.to(fmt.activation_dtype)

@@ -47,8 +47,18 @@ class ModelConfig:
     max_seq_len: int = 2048
     qkv_bias: bool = False
     tie_embeddings: bool = True
+    qk_norm: bool = False
+    """An RMS norm over each head of Q and of K before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+    rope_factors: tuple[float, ...] | None = None
+    """Per rotary frequency (``head_dim // 2`` of them), the number it divides that frequency by:
+    the rope scaling of Llama 3.1 and later (llama.cpp's ``rope_freqs`` tensor), or a linear
+    scaling's factor everywhere. None: plain rope."""
 
     def __post_init__(self) -> None:
+        if self.rope_factors is not None:  # a list when read back from JSON
+            object.__setattr__(self, "rope_factors", tuple(float(f) for f in self.rope_factors))
+            if len(self.rope_factors) != self.head_dim // 2 or not all(f > 0 for f in self.rope_factors):
+                raise ValueError(f"ModelConfig.rope_factors must be head_dim // 2 = {self.head_dim // 2} positive numbers")
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -66,9 +76,12 @@ class ModelConfig:
 
 
 def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
-    """Float32 cos/sin tables ``(max_seq_len, head_dim)`` for rotate-half RoPE."""
+    """Float32 cos/sin tables ``(max_seq_len, head_dim)`` for rotate-half RoPE (each frequency
+    divided by its ``rope_factors`` entry, where the model has them)."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
+    if config.rope_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float64)
     angles = torch.arange(config.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (P, hd)
     return angles.cos().float(), angles.sin().float()
@@ -108,6 +121,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
         self.qkv_proj: nn.Module | None = None  # set by formats.apply_format (q|k|v rows fused)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -131,6 +146,8 @@ class Attention(nn.Module):
         q = q_flat.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k_flat.view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v_flat.view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         cache.write(layer, k, v, lengths)

@@ -34,8 +34,10 @@
 // path); h is (B, T, D) bf16, positions (B, T) long, tree_mask (B, T, T) bool (or empty: a
 // causal chain, as a prefill is), lengths (B,) long (committed lengths: K/V go to slots
 // lengths[b] + t), keys/values the cache's per-layer contiguous (B, n_kv, C, hd) bf16 storage,
-// rope_cos/rope_sin (P, hd) float32, and weights 14 a layer (w_in, qkv's three, o's three,
-// w_post, gate_up's three, down's three; the norms' weights float32) and the final norm's last.
+// rope_cos/rope_sin (P, hd) float32, and weights 17 a layer (w_in, qkv's three, qkv's bias (bf16,
+// or empty: Qwen2's q/k/v biases, added as the eager step adds them, bf16(y + b)), the q and k
+// head norms' weights (or empty: Qwen3's, each head normed before RoPE), o's three, w_post,
+// gate_up's three, down's three; the norms' weights float32) and the final norm's last.
 // A linear's three are (codes, scales_zeros bf16, empty) on the 4-bit kernel's packing or
 // (codes, scales float32, zeros) on the 8-bit codes' (kernels/codes8.py).
 
@@ -65,26 +67,42 @@ using simd16::bf16_round8;
 using simd16::bf16x8;
 using simd16::reduce_add8;
 
-constexpr int64_t kWeightsPerLayer = 14;
+constexpr int64_t kWeightsPerLayer = 17;
 constexpr int64_t kGrain = 4;  // rows a thread takes in the elementwise stages
 
 inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 inline void store8(bf16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_round8(v)); }
 
-// y[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w), every row of D (a multiple of 8).
+// y = bf16(x * rsqrt(mean(x^2) + eps) * w) for one row of D (a multiple of 8); y may be x.
+inline void rms_norm_row(const bf16* x, const float* w, int64_t D, double eps, bf16* y) {
+  const uint16_t* xr = bits(x);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 v = bf16x8(xr + i);
+    sum = _mm256_fmadd_ps(v, v, sum);
+  }
+  const float scale = 1.0f / std::sqrt(reduce_add8(sum) / static_cast<float>(D) + static_cast<float>(eps));
+  for (int64_t i = 0; i < D; i += 8)
+    store8(y + i, _mm256_mul_ps(_mm256_mul_ps(bf16x8(xr + i), _mm256_set1_ps(scale)), _mm256_loadu_ps(w + i)));
+}
+
+// rms_norm_row of every row of D.
 void rms_norm(const bf16* x, const float* w, int64_t rows, int64_t D, double eps, bf16* y) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * D, w, D, eps, y + r * D);
+  });
+}
+
+// Qwen3's per-head norms, in place in each qkv row: rms_norm_row over each of the q heads (wq)
+// and of the k heads (wk), each head of hd on its own.
+void head_norms(bf16* qkv, int64_t width, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
+                const float* wq, const float* wk, double eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* xr = bits(x + r * D);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 v = bf16x8(xr + i);
-        sum = _mm256_fmadd_ps(v, v, sum);
-      }
-      const float scale = 1.0f / std::sqrt(reduce_add8(sum) / static_cast<float>(D) + static_cast<float>(eps));
-      for (int64_t i = 0; i < D; i += 8)
-        store8(y + r * D + i, _mm256_mul_ps(_mm256_mul_ps(bf16x8(xr + i), _mm256_set1_ps(scale)), _mm256_loadu_ps(w + i)));
+      bf16* row = qkv + r * width;
+      for (int64_t h = 0; h < heads; ++h) rms_norm_row(row + h * hd, wq, hd, eps, row + h * hd);
+      for (int64_t h = 0; h < kv_heads; ++h) rms_norm_row(row + (heads + h) * hd, wk, hd, eps, row + (heads + h) * hd);
     }
   });
 }
@@ -649,11 +667,27 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   const auto* sin_p = rope_sin.data_ptr<float>();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[7].scalar_type() == at::kFloat && w[0].numel() == D &&
-                    w[7].numel() == D && w[8].numel() % (2 * D) == 0,
+    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[10].scalar_type() == at::kFloat && w[0].numel() == D &&
+                    w[10].numel() == D && w[11].numel() % (2 * D) == 0,
                 "treeserve_layers::run: the norms' weights must be (D,) float32");
+    const bool head_normed = w[5].numel() != 0;
+    TORCH_CHECK(!head_normed || (w[5].scalar_type() == at::kFloat && w[6].scalar_type() == at::kFloat &&
+                                 w[5].numel() == hd && w[6].numel() == hd),
+                "treeserve_layers::run: the head norms' weights must be (hd,) float32, or empty");
+    TORCH_CHECK(w[4].numel() == 0 || (w[4].scalar_type() == at::kBFloat16 && w[4].numel() == width),
+                "treeserve_layers::run: the q|k|v bias must be (width,) bfloat16, or empty");
     rms_norm(hp, w[0].data_ptr<float>(), rows, D, eps, xp);
     const at::Tensor qkv = linear(kernel, x, w + 1, width);  // (rows, width)
+    if (w[4].numel() != 0) {
+      auto* qkv_rows = reinterpret_cast<bf16*>(qkv.data_ptr());
+      const auto* bias = reinterpret_cast<const bf16*>(w[4].data_ptr());
+      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) add_into(qkv_rows + r * width, bias, width);
+      });
+    }
+    if (head_normed)
+      head_norms(reinterpret_cast<bf16*>(qkv.data_ptr()), width, rows, num_heads, num_kv_heads, hd,
+                 w[5].data_ptr<float>(), w[6].data_ptr<float>(), eps);
     const auto* qkv_p = reinterpret_cast<const bf16*>(qkv.data_ptr());
     rope(qkv_p, width, 0, num_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(q.data_ptr()));
     rope(qkv_p, width, q_size, num_kv_heads, hd, pos, cos_p, sin_p, rows, reinterpret_cast<bf16*>(k.data_ptr()));
@@ -663,14 +697,14 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
     attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), bits(reinterpret_cast<const bf16*>(layer_keys.data_ptr())),
            bits(reinterpret_cast<const bf16*>(layer_values.data_ptr())), len, mask, shape,
            bits(reinterpret_cast<bf16*>(attended.data_ptr())));
-    const at::Tensor o = linear(kernel, attended, w + 4, D);
+    const at::Tensor o = linear(kernel, attended, w + 7, D);
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);
-    rms_norm(hp, w[7].data_ptr<float>(), rows, D, eps, xp);
-    const int64_t ffn = w[8].numel() * (w[9].scalar_type() == at::kBFloat16 ? 2 : 1) / (2 * D);  // gate_up's codes
-    const at::Tensor gate_up = linear(kernel, x, w + 8, 2 * ffn);
+    rms_norm(hp, w[10].data_ptr<float>(), rows, D, eps, xp);
+    const int64_t ffn = w[11].numel() * (w[12].scalar_type() == at::kBFloat16 ? 2 : 1) / (2 * D);  // gate_up's codes
+    const at::Tensor gate_up = linear(kernel, x, w + 11, 2 * ffn);
     at::Tensor act = at::empty({rows, ffn}, h.options());
     silu_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, reinterpret_cast<bf16*>(act.data_ptr()));
-    const at::Tensor down = linear(kernel, act, w + 11, D);
+    const at::Tensor down = linear(kernel, act, w + 14, D);
     add_into(hp, reinterpret_cast<const bf16*>(down.data_ptr()), rows * D);
   }
   const at::Tensor& final_norm = weights[weights.size() - 1];

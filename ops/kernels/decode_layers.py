@@ -18,7 +18,7 @@ other).
 It also spares the compiled step's Python wrapper (~330 calls a step), so q4_1 needs neither
 Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
 linears on the ``q4_amx`` packing with one of the two int8-row kernels or on ``codes8``'s (on the
-same CPU's kernels), without biases or hooks
+same CPU's kernels), without biases but Q/K/V's (Qwen2's), without hooks
 (a tensor-parallel shard's all-reduce keeps the compiled step), bf16 activations, a head size
 that is a multiple of 16 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
 :func:`~treeserve.ops.decode_step.blocks_hidden`'s arguments and returns its result.
@@ -84,10 +84,12 @@ def kernel_of(model: torch.nn.Module) -> int | None:
     kinds = set()
     for module in model.layers:
         block = cast(Block, module)
-        for m in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
-            if isinstance(m, Codes8Linear) and m.bias is None:
+        qkv = block.self_attn.qkv_proj
+        for m in (qkv, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
+            unbiased = m is qkv or m.bias is None  # the op adds Q/K/V's bias only
+            if isinstance(m, Codes8Linear) and unbiased:
                 kinds.add(0 if m.avx2 else 1)
-            elif isinstance(m, Int4Linear) and m.amx_codes is not None and m.bias is None:
+            elif isinstance(m, Int4Linear) and m.amx_codes is not None and unbiased:
                 kinds.add(0 if m.avx2 else 1 if m.int8_rows else None)
             else:
                 return None
@@ -113,9 +115,9 @@ def fits(model: torch.nn.Module) -> bool:
 
 
 def weights(model: torch.nn.Module) -> list[Tensor]:
-    """The op's ``weights`` list for ``model`` (14 a block, then the final norm's): the linears'
-    own buffers, three each, and the norms' weights in float32 (exact copies of their bf16
-    values)."""
+    """The op's ``weights`` list for ``model`` (17 a block, then the final norm's): the linears'
+    own buffers, three each, Q/K/V's bias (bf16, or empty), the Q and K head norms' weights (or
+    empty) and the norms' weights in float32 (exact copies of their bf16 values)."""
     from treeserve.ops.formats import Codes8Linear, Int4Linear
     from treeserve.ops.model import Block, Transformer
 
@@ -130,7 +132,12 @@ def weights(model: torch.nn.Module) -> list[Tensor]:
     for module in model.layers:
         block = cast(Block, module)
         out.append(block.input_layernorm.weight.detach().float().contiguous())
-        out += three(block.self_attn.qkv_proj) + three(block.self_attn.o_proj)
+        qkv_bias = block.self_attn.qkv_proj.bias
+        out += three(block.self_attn.qkv_proj)
+        out.append(_NO_MASK if qkv_bias is None else qkv_bias.detach().to(torch.bfloat16).contiguous())
+        for norm in (block.self_attn.q_norm, block.self_attn.k_norm):  # Qwen3's per-head norms
+            out.append(_NO_MASK if norm is None else norm.weight.detach().float().contiguous())
+        out += three(block.self_attn.o_proj)
         out.append(block.post_attention_layernorm.weight.detach().float().contiguous())
         out += three(block.mlp.gate_up_proj) + three(block.mlp.down_proj)
     out.append(model.norm.weight.detach().float().contiguous())

@@ -1,9 +1,10 @@
-"""Read a LLaMA-family GGUF file (``llama`` or ``qwen2`` architecture) into a state dict + config.
+"""Read a LLaMA-family GGUF file (``llama``, ``qwen2`` or ``qwen3`` architecture) into a state dict + config.
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` and its GGUF shape is
 reversed to get the torch ``(out, in)`` layout. llama-architecture files store ``attn_q`` and
 ``attn_k`` permuted for llama.cpp's interleaved rope (``convert_hf_to_gguf.py``'s ``permute``);
-we undo that so the usual rotate-half rope applies. qwen2 files are not permuted. Embeddings
+we undo that so the usual rotate-half rope applies. qwen2 and qwen3 files are not permuted;
+qwen3's per-head Q/K norms (``attn_q_norm``, ``attn_k_norm``) set ``qk_norm``. Embeddings
 are tied when there is no ``output.weight``.
 """
 
@@ -21,7 +22,7 @@ from treeserve.ops.block_types import BLOCK_TYPES, StoredBlocks, UnsupportedBloc
 from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.ops.model import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PERMUTED_ARCHITECTURES = ("llama",)
 
 _BLOCK_NAMES = {
@@ -33,6 +34,8 @@ _BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -101,27 +104,45 @@ def config_from_gguf(reader: Any) -> tuple[ModelConfig, str]:
         embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
         vocab = len(tokens.data) if tokens is not None else int(embd.shape[-1])
     names = {t.name for t in reader.tensors}
-    scaling = field_value(reader, f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in names or scaling not in (None, "none"):
-        # Llama 3.1+'s per-frequency factors, linear or YaRN scaling: served without them the
-        # model would answer, wrongly.
-        raise GGUFFormatError(f"GGUF rope scaling ({scaling or 'rope_freqs'}) is not supported yet; "
-                              f"supported: plain rope (llama, qwen2)")
+    head_size = int(head_dim) if head_dim else dim // num_heads
     config = ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim) if head_dim else dim // num_heads,
+        head_dim=head_size,
         ffn_dim=int(need("feed_forward_length")),
         rope_base=_from_float32(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
         norm_eps=_from_float32(need("attention.layer_norm_rms_epsilon")),
         max_seq_len=int(field_value(reader, f"{arch}.context_length") or 2048),
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_factors=rope_factors(reader, arch, head_size),
     )
     return config, arch
+
+
+def rope_factors(reader: Any, arch: str, head_size: int) -> tuple[float, ...] | None:
+    """The divisor of each rotary frequency: Llama 3.1+'s ``rope_freqs`` tensor (which llama.cpp's
+    converter computes from the model's ``rope_scaling``), a linear scaling's factor, or None for
+    plain rope. Other scalings (YaRN) raise :class:`GGUFFormatError`: served without them the
+    model would answer, wrongly."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        values = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if values.shape[0] != head_size // 2:
+            raise GGUFFormatError(f"rope_freqs has {values.shape[0]} factors; the head size {head_size} needs {head_size // 2}")
+        return tuple(float(v) for v in values)
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and factor:
+        return (float(factor),) * (head_size // 2)
+    raise GGUFFormatError(f"GGUF rope scaling {scaling!r} is not supported; supported: plain rope, linear, "
+                          "and Llama 3's per-frequency factors (rope_freqs)")
 
 
 def _from_float32(value: float) -> float:

@@ -139,6 +139,8 @@ GGUF_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -157,7 +159,8 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
     """Write ``model`` as a GGUF the way llama.cpp's converter would; return the expected model.
 
     Q/K are permuted for llama; ``ffn_down`` is stored as Q8_0, so the expected model holds the
-    dequantized value of that tensor.
+    dequantized value of that tensor. A model with ``rope_factors`` gets them as the
+    ``rope_freqs`` tensor (as Llama 3.1's converter writes them).
     """
     import gguf
 
@@ -194,6 +197,8 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
         else:
             writer.add_tensor(gguf_name(name), stored)
         expected[name] = torch.from_numpy(np.ascontiguousarray(array))
+    if cfg.rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -80,3 +80,73 @@ def test_a_wrong_dequantizer_fails_against_llama_cpp(tmp_path: Path, monkeypatch
 def test_the_fixtures_hold_every_block_type() -> None:
     held = {t for f in META["files"].values() for t in f["block_types"]}
     assert set(block_types.BLOCK_TYPES) <= held
+
+
+def test_llama3_rope_scaling_gives_llama_cpps_logits(tmp_path: Path) -> None:
+    """Llama 3.1's per-frequency rope factors (``rope_freqs``, from 1 to 8 here): read from the
+    file and applied, llama.cpp's logits; the same model on plain rope strays far from them."""
+    if not codes8.available():
+        pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
+    from treeserve.ops.loaders.load import load_model
+    from treeserve.ops.model import rope_tables
+
+    info = META["llama3"]
+    model = load_model(DATA / info["file"], weight_format="auto", cache_dir=tmp_path, compile_decode=False).model
+    assert model.config.rope_factors == pytest.approx(info["rope_factors"], rel=1e-6)
+    reference = torch.from_numpy(np.load(DATA / "tiny-llama3-Q8_0.logits.npy").astype(np.float32))
+    tokens = torch.tensor([META["tokens"]])
+
+    def error_and_agreement() -> tuple[float, float]:
+        got = model(tokens, model.new_cache(1, tokens.shape[1]))[0].float()
+        spread = (reference.amax(-1) - reference.amin(-1))[:, None]
+        return ((got - reference).abs() / spread).max().item(), (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+
+    error, agree = error_and_agreement()
+    assert error <= TOLERANCE["Q8_0"] and agree >= 0.99, (error, agree)
+    model.rope_cos, model.rope_sin = rope_tables(dataclasses.replace(model.config, rope_factors=None))
+    plain_error, plain_agree = error_and_agreement()
+    assert plain_error > 2 * TOLERANCE["Q8_0"] and plain_agree < agree, (plain_error, plain_agree)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: str, tmp_path: Path) -> None:
+    """qwen2 (Q/K/V biases, an untied head) and qwen3 (per-head Q/K norms), Q4_K_M: served on the
+    one-op forward, which adds the biases and norms the heads as the eager step does, with
+    llama.cpp's logits and one answer per row; the op with those weights changed strays."""
+    if not codes8.available():
+        pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
+    from treeserve.ops.decode_step import DecodeStep
+    from treeserve.ops.loaders.load import load_model
+
+    from . import row_invariance
+    from .row_invariance import other_prompts
+
+    info = META[arch]
+    model = load_model(DATA / info["file"], weight_format="auto", cache_dir=tmp_path, compile_decode=False).model
+    step = model.decode_step
+    if not isinstance(step, DecodeStep) or not step.is_fused:
+        pytest.skip("the one-op forward needs AVX2, FMA and F16C and a C++ compiler")
+    config = model.config
+    assert (config.qkv_bias, config.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
+    reference = torch.from_numpy(np.load(DATA / info["file"].replace(".gguf", ".logits.npy")).astype(np.float32))
+    tokens = torch.tensor([META["tokens"]])
+
+    def error_and_agreement() -> tuple[float, float]:
+        got = model(tokens, model.new_cache(1, tokens.shape[1]))[0].float()
+        spread = (reference.amax(-1) - reference.amin(-1))[:, None]
+        return ((got - reference).abs() / spread).max().item(), (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+
+    error, agree = error_and_agreement()
+    assert error <= TOLERANCE["Q4_K_M"] and agree >= 0.99, (error, agree)
+    assert row_invariance.failures(model, META["tokens"][:150], other_prompts(META["vocab_size"])) == []
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        if arch == "qwen2":
+            attn.qkv_proj.bias.zero_()
+        else:
+            attn.q_norm.weight.fill_(1.0)
+    changed = DecodeStep(model)
+    assert changed.fuse()
+    model.decode_step = changed
+    strayed, _ = error_and_agreement()
+    assert strayed > 2 * error, (strayed, error)

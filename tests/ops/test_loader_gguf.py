@@ -127,7 +127,7 @@ def test_unsupported_ggufs_fail_in_one_line_before_converting(
     bad = tmp_path / "bad.gguf"
     if change == "arch":
         _retyped_gguf(good, bad, arch="gemma9")
-        expected = r"unsupported GGUF architecture 'gemma9'; supported: llama, qwen2"
+        expected = r"unsupported GGUF architecture 'gemma9'; supported: llama, qwen2, qwen3"
     else:
         _retyped_gguf(good, bad, q2k_tensor="blk.0.ffn_down.weight")
         expected = r"tensor blk\.0\.ffn_down\.weight is stored as Q2_K.*supported block types: F32, F16, BF16, Q4_0"
@@ -172,4 +172,4 @@ def test_serve_reports_an_unsupported_gguf_on_health(tmp_path: Path, tiny_model_
 
     status, body = asyncio.run(run())
     assert status == 503 and body["status"] == "failed"
-    assert any("unsupported GGUF architecture 'gemma9'; supported: llama, qwen2" in f for f in body["failures"])
+    assert any("unsupported GGUF architecture 'gemma9'; supported: llama, qwen2, qwen3" in f for f in body["failures"])

@@ -52,7 +52,8 @@ def write_hf_folder(folder: Path, model: Transformer, backend, template: str, mo
 
 
 @pytest.mark.parametrize(
-    ("model_type", "overrides"), [("llama", {}), ("qwen2", {"qkv_bias": True, "tie_embeddings": False})]
+    ("model_type", "overrides"), [("llama", {}), ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),
+                                  ("qwen3", {"qk_norm": True})]
 )
 def test_hf_folder_round_trip(tmp_path, tiny_model_factory, tiny_bpe_backend, chatml_template, model_type, overrides) -> None:
     source = tiny_model_factory(seed=5, vocab_size=tiny_bpe_backend.get_vocab_size(), **overrides)
@@ -112,3 +113,35 @@ def test_unknown_model_and_bad_path(tmp_path) -> None:
         pull("no-such-model", tmp_path)
     with pytest.raises(ModelLoadError, match="neither"):
         load_model(tmp_path / "missing", cache_dir=tmp_path)
+
+
+def test_llama3_rope_scaling_factors() -> None:
+    """Llama 3.1's rope_scaling as per-frequency divisors: the short wavelengths untouched, the
+    long ones divided by ``factor``, a smooth blend between (checked once against HF
+    transformers' llama3 rope on Llama 3.1 8B's parameters: the inverse frequencies agreed to
+    4e-8, its float32 precision); linear divides all; YaRN is refused."""
+    import math
+
+    from treeserve.ops.loaders.hf import HFFormatError, config_from_hf, hf_rope_factors
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    factors = hf_rope_factors(scaling, 500000.0, 128)
+    assert factors is not None and len(factors) == 64
+    wavelengths = [2 * math.pi * 500000.0 ** (2 * i / 128) for i in range(64)]
+    for wavelength, f in zip(wavelengths, factors):
+        if wavelength < 8192 / 4:
+            assert f == 1.0
+        elif wavelength > 8192 / 1:
+            assert f == 8.0
+        else:
+            assert 1.0 < f < 8.0
+    assert list(factors) == sorted(factors) and 1.0 < factors[30] < 8.0  # a blended one exists
+    assert hf_rope_factors({"type": "linear", "factor": 2.0}, 10000.0, 8) == (2.0,) * 4
+    assert hf_rope_factors(None, 10000.0, 8) is None
+    with pytest.raises(HFFormatError, match="not supported"):
+        hf_rope_factors({"rope_type": "yarn", "factor": 4.0}, 10000.0, 8)
+    config = config_from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "intermediate_size": 256, "rope_theta": 500000.0,
+                             "rope_scaling": scaling})
+    assert config.rope_factors == hf_rope_factors(scaling, 500000.0, 64)
