@@ -9,7 +9,9 @@ measure ties; five steps make the next token clear (a median gap of 30%) and lea
 far from a lookup table. It is written in float32 by the gguf package's writer
 (``tests/ops/conftest.py``'s ``write_gguf``), then requantized by llama.cpp
 (``llama_model_quantize``) into each file type of :data:`FILE_TYPES`, once more with Llama 3.1's rope scaling (``rope_freqs``) in Q8_0, and as a
-``qwen2`` model (Q/K/V biases, an untied head) and a ``qwen3`` one (per-head Q/K norms) in Q4_K_M.
+``qwen2`` model (Q/K/V biases, an untied head) and a ``qwen3`` one (per-head Q/K norms) in Q4_K_M;
+and a tiny float32 model with a SentencePiece tokenizer, with llama.cpp's token ids on
+:data:`TOKENIZER_TEXTS`.
 llama.cpp then scores the corpus's first :data:`NUM_TOKENS` tokens on each file (``logits_all``),
 and the logits are saved beside it. Bench-only (llama-cpp-python builds in minutes; see
 ``bench/RESULTS.md`` for the flags):
@@ -76,6 +78,49 @@ def train(model: Any, tokens: list[int], steps: int = TRAIN_STEPS) -> None:
         loss.backward()
         optimizer.step()
     model.eval()
+
+
+TOKENIZER_TEXTS = (
+    "Hello world", " leading space", "two  spaces and\ttabs\n\nnew lines", "numbers 3.14159 and 2024-12-05",
+    "def f(x):\n    return x ** 2  # code", "Café naïve résumé déjà vu", "日本語のテキスト and 中文", "emoji 🙂🚀 end",
+    "<s>special</s> text <unk> here", "quick brown fox jumps over the lazy dog", "   ", "",
+)
+"""Texts llama.cpp tokenizes with the SentencePiece fixture: Unicode, digits, code, runs of
+whitespace, characters outside the vocabulary (byte fallback) and special-token text."""
+
+
+def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path) -> dict[str, Any]:
+    """A tiny llama GGUF whose tokenizer is SentencePiece-style (``tokenizer.ggml.model`` =
+    ``llama``: pieces with "▁" for spaces, scores, byte fallback tokens), and llama.cpp's token
+    ids for :data:`TOKENIZER_TEXTS` on it."""
+    import gguf
+    import llama_cpp
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trained.train_from_iterator([helpers.TOKENIZER_CORPUS], trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    pieces = [p for p, _ in sorted(trained.get_vocab().items(), key=lambda item: item[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces))]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces)))]  # earlier merges first
+
+    def write_tokenizer(writer: Any) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_add_space_prefix(True)
+
+    model = helpers.make_tiny_model(SEED, vocab_size=len(tokens), dim=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                                    head_dim=16, ffn_dim=128, max_seq_len=256)
+    target = out / "tiny-spm-F32.gguf"
+    helpers.write_gguf(target, model, "llama", None, tokenizer=write_tokenizer)
+    llm = llama_cpp.Llama(model_path=str(target), vocab_only=True, verbose=False)
+    ids = [llm.tokenize(text.encode(), add_bos=False, special=True) for text in TOKENIZER_TEXTS]
+    assert gguf.GGUFReader(str(target)).fields["tokenizer.ggml.model"].contents() == "llama"
+    return {"file": target.name, "texts": list(TOKENIZER_TEXTS), "ids": ids, "bytes": target.stat().st_size}
 
 
 def main() -> None:
@@ -157,6 +202,13 @@ def main() -> None:
         np.save(args.out / "tiny-qwen3-Q4_K_M.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
         types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
         meta["qwen3"] = {"file": target.name, "block_types": types, "bytes": target.stat().st_size, "train_steps": 8}
+        meta["sentencepiece"] = sentencepiece_fixture(helpers, args.out, Path(tmp))
+        # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
+        import llama_cpp as lc
+
+        bpe = lc.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
+        meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),
+                                  "ids": [bpe.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]}
     (args.out / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 

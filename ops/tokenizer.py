@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer (``tokenizers`` package) from GGUF metadata or a ``tokenizer.json``.
+"""Byte-level BPE or SentencePiece tokenizer (``tokenizers`` package) from GGUF metadata or a
+``tokenizer.json``.
 
 Also renders the model's own Jinja chat template in a sandbox, and offers
 :class:`IncrementalDetokenizer`, which turns a growing list of token ids into text deltas
@@ -14,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 # Pre-tokenizer regexes of llama.cpp's BPE "pre" types (src/llama-vocab.cpp).
@@ -26,7 +27,7 @@ _QWEN2_PATTERN = (
 )
 # Special tokens that end a turn in common chat formats; added to stop_ids when present.
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
-_SPECIAL_TOKEN_TYPES = (3, 4)  # llama.cpp: CONTROL and USER_DEFINED
+_SPECIAL_TOKEN_TYPES = (2, 3, 4)  # llama.cpp: UNKNOWN, CONTROL and USER_DEFINED (matched as special text)
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 # Roles a chat template names in a comparison: m['role'] == 'tool', message.role != "ipython",
 # m['role'] in ['tool', 'developer'].
@@ -38,6 +39,36 @@ _PRIVATE_USE = range(0xE000, 0xF900)  # marker characters for escaped special-to
 
 class TokenizerError(ValueError):
     """The tokenizer metadata is unsupported or inconsistent."""
+
+
+_NORMAL, _BYTE = 1, 6  # llama.cpp's token types: NORMAL, BYTE (<0xXX>)
+
+
+def _sentencepiece_backend(tokens: Sequence[str], scores: Sequence[float] | None, types: Sequence[int],
+                           vocab: dict[str, int], add_space_prefix: bool | None, unknown_id: int | None) -> BackendTokenizer:
+    """llama.cpp's SentencePiece tokenizer (``tokenizer.ggml.model = "llama"``) as a ``tokenizers``
+    BPE: spaces become "▁" (and one is prepended to each text piece, unless the file says not
+    to), then adjacent pieces merge, the pair whose joined piece scores highest first (leftmost
+    among equals), as llama.cpp's ``llm_tokenizer_spm`` does; a piece left outside the vocabulary
+    falls back to its UTF-8 bytes' ``<0xXX>`` tokens. The merges are every split of a normal
+    token into two vocabulary pieces, ranked by the token's score."""
+    if scores is None:
+        raise TokenizerError("a SentencePiece GGUF tokenizer needs tokenizer.ggml.scores")
+    ranked = sorted((i for i, kind in enumerate(types) if kind == _NORMAL), key=lambda i: (-scores[i], i))
+    merges: list[tuple[str, str]] = []
+    for index in ranked:
+        piece = tokens[index]
+        pairs = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))]
+        merges += sorted(((a, b) for a, b in pairs if a in vocab and b in vocab), key=lambda p: (vocab[p[0]], vocab[p[1]]))
+    unk = tokens[unknown_id] if unknown_id is not None and 0 <= unknown_id < len(tokens) else None
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    steps = [normalizers.Replace(" ", "▁")]
+    if add_space_prefix is None or add_space_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    backend.normalizer = normalizers.Sequence(steps)
+    strip = [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix is None or add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return backend
 
 
 def _pre_tokenizer(pre: str | None) -> Any:
@@ -112,25 +143,31 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> Tokenizer:
-        """Build from an open ``gguf.GGUFReader`` (``tokenizer.ggml.*`` fields, gpt2-style BPE)."""
+        """Build from an open ``gguf.GGUFReader`` (``tokenizer.ggml.*`` fields: gpt2-style BPE, or
+        llama's SentencePiece)."""
 
         def value(key: str) -> Any:
             field = reader.fields.get(key)
             return None if field is None else field.contents()
 
         kind = value("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"only byte-level BPE (tokenizer.ggml.model = 'gpt2') GGUF tokenizers are supported, got {kind!r}")
+        if kind not in ("gpt2", "llama"):
+            raise TokenizerError(f"unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE), "
+                                 "llama (SentencePiece BPE with byte fallback)")
         tokens: list[str] = value("tokenizer.ggml.tokens")
-        merges: list[str] = value("tokenizer.ggml.merges") or []
         types: list[int] = value("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):
             vocab.setdefault(token, index)
-        merge_pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(value("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "llama":
+            backend = _sentencepiece_backend(tokens, value("tokenizer.ggml.scores"), types, vocab,
+                                             value("tokenizer.ggml.add_space_prefix"), value("tokenizer.ggml.unknown_token_id"))
+        else:
+            merges: list[str] = value("tokenizer.ggml.merges") or []
+            merge_pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
+            backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+            backend.pre_tokenizer = _pre_tokenizer(value("tokenizer.ggml.pre"))
+            backend.decoder = decoders.ByteLevel()
         specials = [tokens[i] for i, kind_id in enumerate(types) if kind_id in _SPECIAL_TOKEN_TYPES]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         extra = value("tokenizer.ggml.eot_token_id")

@@ -155,12 +155,14 @@ def gguf_name(name: str) -> str:
     return f"blk.{index}.{GGUF_NAMES[rest]}"
 
 
-def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template: str = CHATML_TEMPLATE) -> Transformer:
+def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template: str = CHATML_TEMPLATE,
+               tokenizer: Callable[[Any], None] | None = None) -> Transformer:
     """Write ``model`` as a GGUF the way llama.cpp's converter would; return the expected model.
 
     Q/K are permuted for llama; ``ffn_down`` is stored as Q8_0, so the expected model holds the
     dequantized value of that tensor. A model with ``rope_factors`` gets them as the
-    ``rope_freqs`` tensor (as Llama 3.1's converter writes them).
+    ``rope_freqs`` tensor (as Llama 3.1's converter writes them). ``tokenizer(writer)`` writes
+    the tokenizer's fields instead of ``backend``'s byte-level BPE (with the bos/eos ids 1 and 2).
     """
     import gguf
 
@@ -174,12 +176,15 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    tokens, merges = bpe_vocab_and_merges(backend)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    if tokenizer is not None:
+        tokenizer(writer)
+    else:
+        tokens, merges = bpe_vocab_and_merges(backend)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(template)

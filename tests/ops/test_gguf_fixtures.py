@@ -150,3 +150,71 @@ def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: 
     model.decode_step = changed
     strayed, _ = error_and_agreement()
     assert strayed > 2 * error, (strayed, error)
+
+
+ARCH_FILES = {"llama": "tiny-llama-Q4_K_M.gguf", "llama3": META["llama3"]["file"], "qwen2": META["qwen2"]["file"],
+              "qwen3": META["qwen3"]["file"]}
+
+
+@pytest.mark.parametrize("weight_format", ["float32", "auto"])
+@pytest.mark.parametrize("arch", sorted(ARCH_FILES))
+def test_greedy_tree_speculation_equals_incremental_decoding(arch: str, weight_format: str, tmp_path: Path) -> None:
+    """For each architecture, greedy tree speculation gives incremental decoding's tokens: in
+    float32 (whose logits agree across shapes to rounding), and as stored (the one-op forward,
+    the same bits at every shape). A self-drafting tree (the model's first layer) keeps it from
+    being vacuous: some steps accept several tokens."""
+    from treeserve.ops.drafting import ModelSpeculator
+    from treeserve.ops.loaders.load import load_model
+    from treeserve.ops.ngram import NGramSpeculator
+    from treeserve.ops.sampling import SamplingParams
+    from treeserve.ops.speculative import generate_incremental, generate_speculative
+
+    if weight_format == "auto" and not codes8.available():
+        pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
+    model = load_model(DATA / ARCH_FILES[arch], weight_format=weight_format, cache_dir=tmp_path,
+                       compile_decode=False).model
+    prompt = META["tokens"][:40]
+    params = SamplingParams(max_new_tokens=40)
+    reference = generate_incremental(model, prompt, params)
+    drafter = load_model(DATA / ARCH_FILES[arch], cache_dir=tmp_path).model.truncated(1)
+    speculators = [ModelSpeculator(drafter, (2, 2, 1, 1)), NGramSpeculator(META["vocab_size"])]
+    result = generate_speculative(model, speculators, prompt, params)
+    assert result.token_ids == reference.token_ids
+    assert result.mean_accepted_per_step > 0.0
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece"])
+def test_tokenizers_give_llama_cpps_ids(kind: str, tmp_path: Path) -> None:
+    """Each GGUF tokenizer kind (byte-level BPE with the smollm pre-tokenizer; SentencePiece with
+    scores and byte fallback) gives llama.cpp's own ids on texts with Unicode, digits, code, runs
+    of whitespace, characters outside the vocabulary and special-token text, decodes back, and
+    does the same once saved with a converted model and read back."""
+    from treeserve.ops.tokenizer import Tokenizer
+
+    info = META[kind]
+    tokenizer = Tokenizer.from_gguf(DATA / info["file"])
+    tokenizer.save(tmp_path)
+    for reread in (tokenizer, Tokenizer.from_folder(tmp_path)):
+        for text, ids in zip(info["texts"], info["ids"], strict=True):
+            assert reread.encode(text, add_bos=False) == ids, text
+            if "<" not in text:  # special-token text decodes with the spaces SentencePiece puts around it
+                assert reread.decode(ids) == text
+
+
+def test_a_sentencepiece_tokenizer_with_its_scores_reversed_differs() -> None:
+    """The check can fail: the same vocabulary with the scores reversed (merges in the other
+    order) gives other ids on the texts."""
+    import gguf
+
+    from treeserve.ops.tokenizer import Tokenizer
+
+    info = META["sentencepiece"]
+    reader = gguf.GGUFReader(str(DATA / info["file"]))
+
+    class Reversed:  # the reader, with each score negated
+        fields = dict(reader.fields)
+
+    scores = reader.fields["tokenizer.ggml.scores"]
+    Reversed.fields["tokenizer.ggml.scores"] = type("F", (), {"contents": lambda self: [-v for v in scores.contents()]})()
+    tokenizer = Tokenizer.from_gguf_reader(Reversed())
+    assert any(tokenizer.encode(t, add_bos=False) != ids for t, ids in zip(info["texts"], info["ids"]))
