@@ -385,15 +385,13 @@ class Codes8Linear(nn.Module):
         if not codes8.available():
             raise FormatUnsupportedError("the 8-bit-code kernel does not run on this machine (it needs AVX2)")
         if isinstance(source, Codes8Blocks):
-            self.out_features, self.in_features = source.codes.shape
             packed = codes8.pack(source.codes, source.scales, source.zeros)
-            buffers = {"c8_codes": packed[0], "c8_scales": packed[1], "c8_zeros": packed[2]}
+            buffers = {"c8_codes": packed[0], "c8_scales": packed[1], "c8_zeros": packed[2],
+                       "c8_shape": torch.tensor(list(source.codes.shape), dtype=torch.int64)}  # (N, K)
         else:
             buffers = dict(source)
-        for name in ("c8_codes", "c8_scales", "c8_zeros"):
+        for name in ("c8_codes", "c8_scales", "c8_zeros", "c8_shape"):
             self.register_buffer(name, _own_aligned(buffers[name]))
-        self.register_buffer("c8_shape", torch.tensor(list(buffers["c8_shape"]) if "c8_shape" in buffers else
-                                                      [self.out_features, self.in_features], dtype=torch.int64))
         self.out_features, self.in_features = (int(v) for v in self.c8_shape)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self.float_out = float_out

@@ -246,6 +246,16 @@ def touch_pages(tensor: torch.Tensor) -> None:
 
 
 STORED_BLOCKS_FILE = "stored-blocks.safetensors"
+"""Beside a converted GGUF, its decoded blocks (:func:`stored_blocks_of`), under a name that
+carries the hash of the decoders that wrote them (``stored-blocks-<hash>.safetensors``)."""
+
+
+def _stored_blocks_path(folder: Path) -> Path:
+    from treeserve.ops import block_types
+
+    digest = hashlib.sha256(Path(block_types.__file__).read_bytes()).hexdigest()[:12]
+    stem, suffix = STORED_BLOCKS_FILE.split(".", 1)
+    return folder / f"{stem}-{digest}.{suffix}"
 
 
 def gguf_source_of(source: Path) -> Path | None:
@@ -283,7 +293,7 @@ def stored_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[
     gguf_path = gguf_source_of(source)
     if gguf_path is None:
         return {}
-    cached = converted_dir_for(gguf_path, cache_dir) / STORED_BLOCKS_FILE
+    cached = _stored_blocks_path(converted_dir_for(gguf_path, cache_dir))
     if not cached.exists():
         from treeserve.ops.loaders.gguf import read_stored_blocks
 
@@ -320,13 +330,16 @@ def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_d
     Packing and quantizing take about 10 s for the default model in q4_1 on 2 cores; reading
     them back a fraction of a second.
     """
-    from treeserve.ops import formats
+    from treeserve.ops import block_types, formats
     from treeserve.ops.kernels import codes8, q4_amx, q8_amx
 
-    files = sorted(p for p in (source.iterdir() if source.is_dir() else [source]) if p.is_file() and p.name != STORED_BLOCKS_FILE)
+    decoded = STORED_BLOCKS_FILE.split(".")[0]  # the decoded blocks beside a converted GGUF: not the weights' files
+    files = sorted(p for p in (source.iterdir() if source.is_dir() else [source])
+                   if p.is_file() and not p.name.startswith(decoded))
     gguf = gguf_source_of(source)
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files + ([gguf] if gguf else [])]
-    modules = (formats.__file__, q4_amx.__file__, q4_amx.SOURCE, q8_amx.__file__, q8_amx.SOURCE, codes8.__file__)
+    modules = (formats.__file__, q4_amx.__file__, q4_amx.SOURCE, q8_amx.__file__, q8_amx.SOURCE, codes8.__file__,
+               block_types.__file__)
     code = b"".join(Path(m).read_bytes() for m in modules if m)
     key = "|".join([
         repr(stats), repr([(name, tuple(p.shape)) for name, p in model.named_parameters()]), fmt.value,
