@@ -123,6 +123,23 @@ def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path) -> dict[str, Any]:
     return {"file": target.name, "texts": list(TOKENIZER_TEXTS), "ids": ids, "bytes": target.stat().st_size}
 
 
+def quantize_and_score(source: Path, target: Path, file_type: str, tokens: list[int]) -> dict[str, Any]:
+    """llama.cpp's requantization of ``source`` into ``target`` (``LLAMA_FTYPE_MOSTLY_<file_type>``)
+    and its logits on ``tokens``, saved beside it: the file's entry in ``fixtures.json``."""
+    import gguf
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.allow_requantize = True  # write_gguf stores ffn_down as Q8_0
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama.cpp could not write {target.name}")
+    np.save(target.with_suffix(".logits.npy"), llama_cpp_logits(target, tokens).astype(np.float16))
+    types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
+    print(target.name, types, target.stat().st_size, flush=True)
+    return {"file": target.name, "block_types": types, "bytes": target.stat().st_size}
+
+
 def main() -> None:
     import llama_cpp
 
@@ -133,82 +150,44 @@ def main() -> None:
     helpers = conftest()
     backend = helpers.train_tiny_bpe()
     vocab = backend.get_vocab_size()
-    model = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, **DIMS)
     corpus = backend.encode(helpers.TOKENIZER_CORPUS).ids
-    train(model, corpus[:200])
     tokens = corpus[:NUM_TOKENS]
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "tiny-f32.gguf"
-        helpers.write_gguf(source, model, "llama", backend)
-        meta: dict[str, Any] = {"tokens": tokens, "dims": DIMS, "seed": SEED, "train_steps": TRAIN_STEPS, "vocab_size": vocab,
-                                "llama_cpp_version": llama_cpp.__version__, "files": {}}
-        for name in FILE_TYPES:
-            target = args.out / f"tiny-llama-{name}.gguf"
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
-            params.allow_requantize = True  # write_gguf stores ffn_down as Q8_0
-            if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-                raise SystemExit(f"llama.cpp could not write {name}")
-            logits = llama_cpp_logits(target, tokens)
-            np.save(args.out / f"tiny-llama-{name}.logits.npy", logits.astype(np.float16))
-            import gguf
 
-            types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
-            meta["files"][name] = {"block_types": types, "bytes": target.stat().st_size}
-            print(name, types, target.stat().st_size, flush=True)
-        # Llama 3.1's rope scaling: the same model with per-frequency factors (the llama3
-        # formula on a short original context, so that they span 1 to 8), in Q8_0.
+    def trained(steps: int = TRAIN_STEPS, **overrides: Any) -> Any:
+        model = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, **overrides, **DIMS)
+        train(model, corpus[:200], steps)
+        return model
+
+    meta: dict[str, Any] = {"tokens": tokens, "dims": DIMS, "seed": SEED, "train_steps": TRAIN_STEPS, "vocab_size": vocab,
+                            "llama_cpp_version": llama_cpp.__version__, "files": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        def fixture(model: Any, arch: str, name: str, file_type: str) -> dict[str, Any]:
+            source = Path(tmp) / f"{name}-f32.gguf"
+            helpers.write_gguf(source, model, arch, backend)
+            return quantize_and_score(source, args.out / f"{name}-{file_type}.gguf", file_type, tokens)
+
+        model = trained()
+        for file_type in FILE_TYPES:
+            meta["files"][file_type] = fixture(model, "llama", "tiny-llama", file_type)
+        # Llama 3.1's rope scaling: per-frequency factors (the llama3 formula on a short original
+        # context, so that they span 1 to 8), trained on its own rope so its next tokens are as
+        # clear, in Q8_0.
         from treeserve.ops.loaders.hf import hf_rope_factors
 
         factors = hf_rope_factors({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}, model.config.rope_base, DIMS["head_dim"])
-        scaled = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, rope_factors=factors, **DIMS)
-        train(scaled, corpus[:200])  # on its own rope, so that its next tokens are as clear
-        source3 = Path(tmp) / "tiny-llama3-f32.gguf"
-        helpers.write_gguf(source3, scaled, "llama", backend)
-        target = args.out / "tiny-llama3-Q8_0.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source3).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit("llama.cpp could not write the llama3 file")
-        np.save(args.out / "tiny-llama3-Q8_0.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
-        meta["llama3"] = {"file": target.name, "rope_factors": list(factors), "bytes": target.stat().st_size}
-        # qwen2: Q/K/V biases, untied head, Q4_K_M.
-        qwen = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, qkv_bias=True, tie_embeddings=False,
-                                       **DIMS)
-        train(qwen, corpus[:200], steps=8)  # five left two near ties (gaps of 0.3% of the range)
-        source_q = Path(tmp) / "tiny-qwen2-f32.gguf"
-        helpers.write_gguf(source_q, qwen, "qwen2", backend)
-        target = args.out / "tiny-qwen2-Q4_K_M.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source_q).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit("llama.cpp could not write the qwen2 file")
-        np.save(args.out / "tiny-qwen2-Q4_K_M.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
-        import gguf
-
-        types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
-        meta["qwen2"] = {"file": target.name, "block_types": types, "bytes": target.stat().st_size, "train_steps": 8}
-        # qwen3: per-head Q/K norms, no biases, Q4_K_M.
-        qwen3 = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, qk_norm=True, **DIMS)
-        train(qwen3, corpus[:200], steps=8)
-        source_q3 = Path(tmp) / "tiny-qwen3-f32.gguf"
-        helpers.write_gguf(source_q3, qwen3, "qwen3", backend)
-        target = args.out / "tiny-qwen3-Q4_K_M.gguf"
-        if llama_cpp.llama_model_quantize(str(source_q3).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit("llama.cpp could not write the qwen3 file")
-        np.save(args.out / "tiny-qwen3-Q4_K_M.logits.npy", llama_cpp_logits(target, tokens).astype(np.float16))
-        types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
-        meta["qwen3"] = {"file": target.name, "block_types": types, "bytes": target.stat().st_size, "train_steps": 8}
+        meta["llama3"] = {**fixture(trained(rope_factors=factors), "llama", "tiny-llama3", "Q8_0"),
+                          "rope_factors": list(factors)}
+        # qwen2 (Q/K/V biases, an untied head) and qwen3 (per-head Q/K norms) in Q4_K_M; eight
+        # steps, where five left two near ties (gaps of 0.3% of the range).
+        meta["qwen2"] = {**fixture(trained(8, qkv_bias=True, tie_embeddings=False), "qwen2", "tiny-qwen2", "Q4_K_M"),
+                         "train_steps": 8}
+        meta["qwen3"] = {**fixture(trained(8, qk_norm=True), "qwen3", "tiny-qwen3", "Q4_K_M"), "train_steps": 8}
         meta["sentencepiece"] = sentencepiece_fixture(helpers, args.out, Path(tmp))
-        # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
-        import llama_cpp as lc
-
-        bpe = lc.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
-        meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),
-                                  "ids": [bpe.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]}
+    # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
+    bpe = llama_cpp.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
+    meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),
+                              "ids": [bpe.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]}
     (args.out / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
+#include <xmmintrin.h>  // _mm_prefetch (SSE: every x86-64 build)
 #include <stdint.h>
 
 #include <type_traits>
@@ -47,6 +48,19 @@ struct Codes8Layout {
   bool halves;      // scales per 16 weights (else per 32)
   bool with_zeros;  // a zero per 32 weights
 };
+
+constexpr int64_t kCodes8Bytes = 8 * 16 * 4;  // the codes of one group of 32 k for one 16-column block
+constexpr int64_t kCodes8PrefetchGroups = 8;   // as the q4 paths' kPrefetchGroups: codes read 4 KB ahead
+
+// The codes, scales and zeros (z, or none) of the group kCodes8PrefetchGroups groups after
+// (src, s, z) into L1; scale_floats: the floats of a group's scales (16, or 32 for scales per 16).
+inline void prefetch_codes8(const int8_t* src, const float* s, int64_t scale_floats, const float* z) {
+  for (int line = 0; line < kCodes8Bytes / 64; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(src + kCodes8PrefetchGroups * kCodes8Bytes + line * 64), _MM_HINT_T0);
+  for (int64_t line = 0; line < scale_floats / 16; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(s + kCodes8PrefetchGroups * scale_floats + line * 16), _MM_HINT_T0);
+  if (z != nullptr) _mm_prefetch(reinterpret_cast<const char*>(z + kCodes8PrefetchGroups * 16), _MM_HINT_T0);
+}
 
 inline Codes8Layout check_codes8(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                                  const at::Tensor& zeros, int64_t N) {

@@ -393,18 +393,9 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
 //   scales [N/16][K/S][16] fp32;  zeros [N/16][K/32][16] fp32, or none.
 //   y      (M, N) bf16 (nearest even) or fp32.
 
-constexpr int64_t kCodes8Bytes = 8 * 16 * 4;  // one group of one 16-column block
+using treeserve_cpu::kCodes8Bytes;
+using treeserve_cpu::prefetch_codes8;
 constexpr int kCodes8Rows = 4;  // rows a pass (six: no faster; eight: their sums spill, 1.6x slower)
-
-// The codes, scales and zeros kPrefetchGroups groups ahead into L1 (codes read 4 KB ahead, as
-// the int8-row path's).
-inline void prefetch_codes8(const int8_t* src, const float* s, int64_t scale_floats, const float* z) {
-  for (int line = 0; line < kCodes8Bytes / 64; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kCodes8Bytes + line * 64), _MM_HINT_T0);
-  for (int64_t line = 0; line < scale_floats / 16; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * scale_floats + line * 16), _MM_HINT_T0);
-  if (z != nullptr) _mm_prefetch(reinterpret_cast<const char*>(z + kPrefetchGroups * 16), _MM_HINT_T0);
-}
 
 // R rows (their xq, d, bias and xs offset to the first) for output blocks [nb_begin, nb_end) of
 // 16 columns: each row's 16 sums in one fp32 register over the K / 32 groups, then stored.

@@ -403,16 +403,9 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 // Four instructions a 32 products a row (vpdpbusd: one a 64): against q4_mm (2 threads, the
 // default model's linears in cache) 1.3-1.7x its time at one, 16 and 64 rows.
 
-constexpr int64_t kCodes8Bytes = 8 * 16 * 4;  // one group of one 16-column block
+using treeserve_cpu::kCodes8Bytes;
+using treeserve_cpu::prefetch_codes8;
 constexpr int kCodes8Rows = 4;  // rows a pass: their 4 x 2 int32 sums, the quad's codes and x fill the 16 registers
-
-inline void prefetch_codes8(const int8_t* src, const float* s, int64_t scale_floats, const float* z) {
-  for (int line = 0; line < kCodes8Bytes / 64; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchGroups * kCodes8Bytes + line * 64), _MM_HINT_T0);
-  for (int64_t line = 0; line < scale_floats / 16; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchGroups * scale_floats + line * 16), _MM_HINT_T0);
-  if (z != nullptr) _mm_prefetch(reinterpret_cast<const char*>(z + kPrefetchGroups * 16), _MM_HINT_T0);
-}
 
 // Output blocks [nb_begin, nb_end) of 16 columns for all M rows: a group's codes stay in L1 while
 // the rows go through them kCodes8Rows at a time, each row's 16 fp32 sums in acc (memory).

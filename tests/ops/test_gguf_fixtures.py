@@ -30,18 +30,23 @@ META = json.loads((DATA / "fixtures.json").read_text(encoding="utf-8"))
 TOLERANCE = {name: 0.05 for name in META["files"]}
 
 
+def logits_on_tokens(model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s float32 logits ``(T, V)`` for the fixtures' tokens from the start."""
+    tokens = torch.tensor([META["tokens"]])
+    return model(tokens, model.new_cache(1, tokens.shape[1]))[0].float()  # type: ignore[operator]
+
+
 def served_logits(path: Path, cache: Path, weight_format: str = "auto") -> tuple[torch.Tensor, str]:
     from treeserve.ops.loaders.load import load_model
 
-    loaded = load_model(path, weight_format=weight_format, cache_dir=cache, compile_decode=False)
-    model = loaded.model
-    tokens = torch.tensor([META["tokens"]])
-    return model(tokens, model.new_cache(1, tokens.shape[1]))[0].float(), model.weight_format
+    model = load_model(path, weight_format=weight_format, cache_dir=cache, compile_decode=False).model
+    return logits_on_tokens(model), model.weight_format
 
 
-def compare(got: torch.Tensor, name: str) -> tuple[float, float]:
-    """(largest relative error, top-1 agreement) against llama.cpp's logits of file type ``name``."""
-    reference = torch.from_numpy(np.load(DATA / f"tiny-llama-{name}.logits.npy").astype(np.float32))
+def compare(got: torch.Tensor, file: str) -> tuple[float, float]:
+    """(largest relative error, top-1 agreement) against llama.cpp's logits for the fixture
+    ``file`` (saved beside it)."""
+    reference = torch.from_numpy(np.load(DATA / file.replace(".gguf", ".logits.npy")).astype(np.float32))
     spread = (reference.amax(-1) - reference.amin(-1))[:, None]
     error = ((got - reference).abs() / spread).max().item()
     agree = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
@@ -54,7 +59,7 @@ def test_each_file_type_gives_llama_cpps_logits(name: str, tmp_path: Path) -> No
         pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
     got, served = served_logits(DATA / f"tiny-llama-{name}.gguf", tmp_path)
     assert served in ("gguf", "q4_1")  # auto: as stored
-    error, agree = compare(got, name)
+    error, agree = compare(got, f"tiny-llama-{name}.gguf")
     assert error <= TOLERANCE[name], f"{name}: relative logit error {error:.4f}"
     assert agree >= 0.99, f"{name}: top-1 agreement {agree:.3f}"
 
@@ -73,7 +78,7 @@ def test_a_wrong_dequantizer_fails_against_llama_cpp(tmp_path: Path, monkeypatch
 
     monkeypatch.setitem(block_types.BLOCK_TYPES, "Q4_K", dataclasses.replace(kind, decode=swapped))
     got, _ = served_logits(DATA / "tiny-llama-Q4_K_M.gguf", tmp_path)
-    error, _ = compare(got, "Q4_K_M")
+    error, _ = compare(got, "tiny-llama-Q4_K_M.gguf")
     assert error > 2 * TOLERANCE["Q4_K_M"], error
 
 
@@ -93,18 +98,10 @@ def test_llama3_rope_scaling_gives_llama_cpps_logits(tmp_path: Path) -> None:
     info = META["llama3"]
     model = load_model(DATA / info["file"], weight_format="auto", cache_dir=tmp_path, compile_decode=False).model
     assert model.config.rope_factors == pytest.approx(info["rope_factors"], rel=1e-6)
-    reference = torch.from_numpy(np.load(DATA / "tiny-llama3-Q8_0.logits.npy").astype(np.float32))
-    tokens = torch.tensor([META["tokens"]])
-
-    def error_and_agreement() -> tuple[float, float]:
-        got = model(tokens, model.new_cache(1, tokens.shape[1]))[0].float()
-        spread = (reference.amax(-1) - reference.amin(-1))[:, None]
-        return ((got - reference).abs() / spread).max().item(), (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
-
-    error, agree = error_and_agreement()
+    error, agree = compare(logits_on_tokens(model), info["file"])
     assert error <= TOLERANCE["Q8_0"] and agree >= 0.99, (error, agree)
     model.rope_cos, model.rope_sin = rope_tables(dataclasses.replace(model.config, rope_factors=None))
-    plain_error, plain_agree = error_and_agreement()
+    plain_error, plain_agree = compare(logits_on_tokens(model), info["file"])
     assert plain_error > 2 * TOLERANCE["Q8_0"] and plain_agree < agree, (plain_error, plain_agree)
 
 
@@ -128,15 +125,7 @@ def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: 
         pytest.skip("the one-op forward needs AVX2, FMA and F16C and a C++ compiler")
     config = model.config
     assert (config.qkv_bias, config.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
-    reference = torch.from_numpy(np.load(DATA / info["file"].replace(".gguf", ".logits.npy")).astype(np.float32))
-    tokens = torch.tensor([META["tokens"]])
-
-    def error_and_agreement() -> tuple[float, float]:
-        got = model(tokens, model.new_cache(1, tokens.shape[1]))[0].float()
-        spread = (reference.amax(-1) - reference.amin(-1))[:, None]
-        return ((got - reference).abs() / spread).max().item(), (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
-
-    error, agree = error_and_agreement()
+    error, agree = compare(logits_on_tokens(model), info["file"])
     assert error <= TOLERANCE["Q4_K_M"] and agree >= 0.99, (error, agree)
     assert row_invariance.failures(model, META["tokens"][:150], other_prompts(META["vocab_size"])) == []
     attn = model.layers[0].self_attn
@@ -148,7 +137,7 @@ def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: 
     changed = DecodeStep(model)
     assert changed.fuse()
     model.decode_step = changed
-    strayed, _ = error_and_agreement()
+    strayed, _ = compare(logits_on_tokens(model), info["file"])
     assert strayed > 2 * error, (strayed, error)
 
 
