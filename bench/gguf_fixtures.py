@@ -9,9 +9,11 @@ measure ties; five steps make the next token clear (a median gap of 30%) and lea
 far from a lookup table. It is written in float32 by the gguf package's writer
 (``tests/ops/conftest.py``'s ``write_gguf``), then requantized by llama.cpp
 (``llama_model_quantize``) into each file type of :data:`FILE_TYPES`, once more with Llama 3.1's rope scaling (``rope_freqs``) in Q8_0, and as a
-``qwen2`` model (Q/K/V biases, an untied head) and a ``qwen3`` one (per-head Q/K norms) in Q4_K_M;
-and a tiny float32 model with a SentencePiece tokenizer, with llama.cpp's token ids on
-:data:`TOKENIZER_TEXTS`.
+``qwen2`` model (Q/K/V biases, an untied head), a ``qwen3`` one (per-head Q/K norms), a ``phi3``
+one (fused Q/K/V and gate/up tensors) and a ``gemma3`` one (:data:`GEMMA3`) in Q4_K_M;
+and tiny float32 models with other tokenizers: SentencePiece (with a space prefix, as Llama 2's,
+and without, as Gemma's) and byte-level BPE with the ``llama-bpe`` and ``qwen2`` pre-tokenizers,
+with llama.cpp's token ids on :data:`TOKENIZER_TEXTS`.
 llama.cpp then scores the corpus's first :data:`NUM_TOKENS` tokens on each file (``logits_all``),
 and the logits are saved beside it. Bench-only (llama-cpp-python builds in minutes; see
 ``bench/RESULTS.md`` for the flags):
@@ -42,6 +44,12 @@ DIMS = dict(dim=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, ffn
 SEED = 11
 NUM_TOKENS = 160
 TRAIN_STEPS = 5
+GEMMA3 = dict(qk_norm=True, num_kv_heads=1, head_dim=128, sliding_window=24, window_layers=(True, False), rope_base=1e6,
+              rope_base_local=10000.0, rope_factors=(8.0,) * 64, activation="gelu_tanh", post_norms=True, embed_scale=16.0)
+"""The gemma3 fixture's shape: what a Gemma 3 4B has, small (per-head Q/K norms, one KV head of
+a size other than width / heads, norms on the attention's and MLP's outputs, GELU, embeddings
+times sqrt(256)), with a window of 24 keys on its first layer (rope base 10000) and a global
+second layer (base 1e6, linear scaling 8), so that 160 tokens cross the window many times."""
 
 
 def conftest() -> Any:
@@ -84,15 +92,59 @@ TOKENIZER_TEXTS = (
     "Hello world", " leading space", "two  spaces and\ttabs\n\nnew lines", "numbers 3.14159 and 2024-12-05",
     "def f(x):\n    return x ** 2  # code", "Café naïve résumé déjà vu", "日本語のテキスト and 中文", "emoji 🙂🚀 end",
     "<s>special</s> text <unk> here", "quick brown fox jumps over the lazy dog", "   ", "",
+    "I'm sure they'LL say: don't!", "1234567890 and 42, 3.5e10", "tabs\t\tand  \n  mixed\r\n lines  ",
 )
-"""Texts llama.cpp tokenizes with the SentencePiece fixture: Unicode, digits, code, runs of
-whitespace, characters outside the vocabulary (byte fallback) and special-token text."""
+"""Texts llama.cpp tokenizes with each tokenizer fixture: Unicode, digits (runs longer than
+three, which split differently per pre-tokenizer), code, contractions, runs of whitespace and
+line ends, characters outside the vocabulary (byte fallback) and special-token text."""
+BPE_PRE_TYPES = ("llama-bpe", "qwen2")
+"""The byte-level BPE pre-tokenizers checked besides ``smollm``: Llama 3's and Qwen2's (their
+regexes split digits, contractions and whitespace differently), each on a vocabulary whose merges
+cross every split (:func:`unsplit_bpe`)."""
 
 
-def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path) -> dict[str, Any]:
+def unsplit_bpe(helpers: Any) -> Any:
+    """A byte-level BPE trained with no pre-tokenizer splits (600 tokens), on the texts and the
+    corpus: its merges join digits into runs, words with the spaces and punctuation around them,
+    and whitespace with line ends, so that each pre-tokenizer's splits change the ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE(fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator([helpers.TOKENIZER_CORPUS, *(TOKENIZER_TEXTS * 8)], trainer)
+    return backend
+
+
+def bpe_pre_fixture(helpers: Any, backend: Any, out: Path, pre: str) -> dict[str, Any]:
+    """A tiny llama GGUF whose byte-level BPE tokenizer (``backend``'s vocabulary and merges) has
+    the pre-tokenizer ``pre``, and llama.cpp's token ids for :data:`TOKENIZER_TEXTS`."""
+    import llama_cpp
+
+    tokens, merges = helpers.bpe_vocab_and_merges(backend)
+
+    def write_tokenizer(writer: Any) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+
+    model = helpers.make_tiny_model(SEED, vocab_size=len(tokens), dim=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                                    head_dim=16, ffn_dim=128, max_seq_len=256)
+    target = out / f"tiny-bpe-{pre}-F32.gguf"
+    helpers.write_gguf(target, model, "llama", None, tokenizer=write_tokenizer)
+    llm = llama_cpp.Llama(model_path=str(target), vocab_only=True, verbose=False)
+    ids = [llm.tokenize(text.encode(), add_bos=False, special=True) for text in TOKENIZER_TEXTS]
+    return {"file": target.name, "texts": list(TOKENIZER_TEXTS), "ids": ids, "bytes": target.stat().st_size}
+
+
+def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path, *, space_prefix: bool = True) -> dict[str, Any]:
     """A tiny llama GGUF whose tokenizer is SentencePiece-style (``tokenizer.ggml.model`` =
-    ``llama``: pieces with "▁" for spaces, scores, byte fallback tokens), and llama.cpp's token
-    ids for :data:`TOKENIZER_TEXTS` on it."""
+    ``llama``: pieces with "▁" for spaces, scores, byte fallback tokens; a space put before the
+    text, or not, as Gemma's converter writes it), and llama.cpp's token ids for
+    :data:`TOKENIZER_TEXTS` on it."""
     import gguf
     import llama_cpp
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -111,11 +163,11 @@ def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path) -> dict[str, Any]:
         writer.add_token_scores(scores)
         writer.add_token_types(types)
         writer.add_unk_token_id(0)
-        writer.add_add_space_prefix(True)
+        writer.add_add_space_prefix(space_prefix)
 
     model = helpers.make_tiny_model(SEED, vocab_size=len(tokens), dim=64, num_layers=1, num_heads=4, num_kv_heads=2,
                                     head_dim=16, ffn_dim=128, max_seq_len=256)
-    target = out / "tiny-spm-F32.gguf"
+    target = out / ("tiny-spm-F32.gguf" if space_prefix else "tiny-spm-no-prefix-F32.gguf")
     helpers.write_gguf(target, model, "llama", None, tokenizer=write_tokenizer)
     llm = llama_cpp.Llama(model_path=str(target), vocab_only=True, verbose=False)
     ids = [llm.tokenize(text.encode(), add_bos=False, special=True) for text in TOKENIZER_TEXTS]
@@ -154,7 +206,7 @@ def main() -> None:
     tokens = corpus[:NUM_TOKENS]
 
     def trained(steps: int = TRAIN_STEPS, **overrides: Any) -> Any:
-        model = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, **overrides, **DIMS)
+        model = helpers.make_tiny_model(SEED, vocab_size=vocab, weight_scale=0.06, **{**DIMS, **overrides})
         train(model, corpus[:200], steps)
         return model
 
@@ -183,7 +235,13 @@ def main() -> None:
         meta["qwen2"] = {**fixture(trained(8, qkv_bias=True, tie_embeddings=False), "qwen2", "tiny-qwen2", "Q4_K_M"),
                          "train_steps": 8}
         meta["qwen3"] = {**fixture(trained(8, qk_norm=True), "qwen3", "tiny-qwen3", "Q4_K_M"), "train_steps": 8}
+        meta["phi3"] = {**fixture(trained(8), "phi3", "tiny-phi3", "Q4_K_M"), "train_steps": 8}
+        meta["gemma3"] = {**fixture(trained(8, **GEMMA3), "gemma3", "tiny-gemma3", "Q4_K_M"), "train_steps": 8}
         meta["sentencepiece"] = sentencepiece_fixture(helpers, args.out, Path(tmp))
+        meta["sentencepiece_no_prefix"] = sentencepiece_fixture(helpers, args.out, Path(tmp), space_prefix=False)
+        unsplit = unsplit_bpe(helpers)
+        for pre in ("smollm", *BPE_PRE_TYPES):
+            meta[f"bpe_{pre}"] = bpe_pre_fixture(helpers, unsplit, args.out, pre)
     # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
     bpe = llama_cpp.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
     meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),

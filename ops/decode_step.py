@@ -50,7 +50,7 @@ from torch import Tensor
 from treeserve.ops.kernels import decode_layers, tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer, apply_rope
-from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask
+from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask, window_mask
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def step_hidden(
     ``max(lengths) + T`` (a shape, so compiling keeps it symbolic). Pure tensor code: no host
     reads, no data-dependent branches.
     """
-    return blocks_hidden(model, model.embed_tokens(tokens), positions, tree_mask, lengths, keys, values, num_slots)
+    return blocks_hidden(model, model.embed(tokens), positions, tree_mask, lengths, keys, values, num_slots)
 
 
 def blocks_hidden(
@@ -92,15 +92,24 @@ def blocks_hidden(
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = num_heads * head_dim, num_kv * head_dim
     dtype = model.dtype
-    fused = tree_attention_cpu.fits(h.device, dtype, num_heads, num_kv, head_dim)
+    # The CPU tree kernel attends to every visible key at 1 / sqrt(hd): not for sliding windows
+    # or another scale (Gemma 3).
+    fused = (tree_attention_cpu.fits(h.device, dtype, num_heads, num_kv, head_dim) and not config.windowed
+             and config.attn_scale is None)
     # Otherwise, the eager forward's mask: committed slots, tree-visible new ones; slots past a
-    # row's new tokens (another request's leftovers) hidden.
+    # row's new tokens (another request's leftovers) hidden; and each sliding window's own.
     mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
-    cos = model.rope_cos[positions].to(dtype)[:, :, None, :]  # (B, T, 1, hd)
-    sin = model.rope_sin[positions].to(dtype)[:, :, None, :]
+    windows = {w: window_mask(lengths, positions, num_slots.shape[0], w) for w in
+               {config.window(i) for i in range(config.num_layers)} if w is not None}
+    rope = {}  # by the cos table's id: (B, T, 1, hd) cos and sin in the model's dtype
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
         attn = block.self_attn
+        cos_table, sin_table = model.layer_rope(index)
+        if id(cos_table) not in rope:
+            rope[id(cos_table)] = (cos_table[positions].to(dtype)[:, :, None, :], sin_table[positions].to(dtype)[:, :, None, :])
+        cos, sin = rope[id(cos_table)]
+        window = config.window(index)
         if attn.qkv_proj is None:
             raise ValueError("the decode step needs a formatted model (formats.apply_format fuses its projections)")
         q, k, v = attn.qkv_proj(block.input_layernorm(h)).split([q_size, kv_size, kv_size], dim=-1)
@@ -121,10 +130,10 @@ def blocks_hidden(
             # fuse measured no faster at one row and slower at 64 (a 130 ms step against 99 ms).
             visible_k = keys[index][:, :, : num_slots.shape[0]]  # (B, n_kv, S, hd)
             visible_v = values[index][:, :, : num_slots.shape[0]]
-            out = attention_under_mask(q.transpose(1, 2), visible_k, visible_v, mask)  # (B, H, T, hd)
+            layer_mask = mask if window is None else mask & windows[window]
+            out = attention_under_mask(q.transpose(1, 2), visible_k, visible_v, layer_mask, scale=attn.scale)  # (B, H, T, hd)
             out = out.transpose(1, 2).reshape(batch, num_new, q_size)  # (B, T, H*hd)
-        h = h + attn.o_proj(out)
-        h = h + block.mlp(block.post_attention_layernorm(h))
+        h = block.add_mlp(block.add_attention(h, attn.o_proj(out)))
     return model.norm(h)  # (B, T, D)
 
 
@@ -357,7 +366,7 @@ class DecodeStep(CompiledStep):
         cache.begin_write(num_new)
         assert self._fused is not None and self._kernel is not None
         if tree_mask is not None or num_new <= PREFILL_PIECE:
-            return decode_layers.run(self.model, self._fused, self.model.embed_tokens(tokens), positions, tree_mask,
+            return decode_layers.run(self.model, self._fused, self.model.embed(tokens), positions, tree_mask,
                                      cache.lengths, cache.keys, cache.values, self._kernel)
         # A long causal chain (a prefill) in pieces, each over the pieces before it as its
         # prefix: the same bits (no row depends on the others), and the attention's partial sums
@@ -366,7 +375,7 @@ class DecodeStep(CompiledStep):
         for start in range(0, num_new, PREFILL_PIECE):
             stop = min(num_new, start + PREFILL_PIECE)
             pieces.append(decode_layers.run(
-                self.model, self._fused, self.model.embed_tokens(tokens[:, start:stop]), positions[:, start:stop], None,
+                self.model, self._fused, self.model.embed(tokens[:, start:stop]), positions[:, start:stop], None,
                 cache.lengths + start, cache.keys, cache.values, self._kernel))
         return torch.cat(pieces, dim=1)
 

@@ -566,7 +566,8 @@ def apply_format(
             delattr(attn, name)
         for name in ("gate_proj", "up_proj"):
             delattr(mlp, name)
-        for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm):
+        for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm,
+                     block.attn_out_norm, block.mlp_out_norm):
             if norm is not None:
                 norm.to(fmt.activation_dtype)
     head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"  # tied or not

@@ -124,7 +124,7 @@ def prompt_hidden(model: Transformer, prompt_ids: Sequence[int]) -> np.ndarray:
 
     cache = model.new_cache(1, len(prompt_ids))
     with torch.inference_mode():
-        h = model.embed_tokens(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device))  # (1, T, D)
+        h = model.embed(torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device))  # (1, T, D)
         h = model.norm(model.run_blocks(h, cache, None, None))
     out: np.ndarray = h[0].float().cpu().numpy()
     return out
@@ -147,7 +147,7 @@ def prompt_hidden_batch(model: Transformer, prompts: Sequence[Sequence[int]]) ->
         ids[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
     cache = model.new_cache(len(prompts), longest)
     with torch.inference_mode():
-        h = model.embed_tokens(ids.to(model.device))  # (B, T, D)
+        h = model.embed(ids.to(model.device))  # (B, T, D)
         h = model.norm(model.run_blocks(h, cache, None, None))
     out = h.float().cpu().numpy()
     return [out[row, : len(prompt)] for row, prompt in enumerate(prompts)]

@@ -1,7 +1,10 @@
-"""LLaMA-family decoder (SmolLM2, LLaMA 2/3, TinyLlama, Qwen2/2.5) with tree-aware forward.
+"""LLaMA-family decoder (SmolLM2, LLaMA 2/3, TinyLlama, Qwen2/2.5/3, Phi-3, Gemma 3) with
+tree-aware forward.
 
-RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP, optional q/k/v bias and a
-tied or separate LM head. Parameter names follow the Hugging Face layout minus the ``model.``
+RMSNorm, rotate-half RoPE, grouped-query attention, a gated MLP (SiLU, or Gemma's tanh GELU),
+optional q/k/v bias and a tied or separate LM head; and what Gemma 3 adds: sliding-window
+layers beside global ones (each kind with its own rope base), norms on the attention's and
+the MLP's outputs, and scaled embeddings. Parameter names follow the Hugging Face layout minus the ``model.``
 prefix (``layers.0.self_attn.q_proj.weight``...), so HF checkpoints map one to one.
 
 One :meth:`Transformer.forward` scores ``T`` new tokens per row against the committed KV
@@ -25,6 +28,7 @@ from treeserve.ops.tree_attention import (
     attention_under_mask,
     build_attention_mask,
     uses_tree_kernel,
+    window_mask,
 )
 
 if TYPE_CHECKING:
@@ -53,8 +57,34 @@ class ModelConfig:
     """Per rotary frequency (``head_dim // 2`` of them), the number it divides that frequency by:
     the rope scaling of Llama 3.1 and later (llama.cpp's ``rope_freqs`` tensor), or a linear
     scaling's factor everywhere. None: plain rope."""
+    rope_mscale: float = 1.0
+    """A factor on cos and sin (Phi-3's long-rope ``attn_factor``; 1: none)."""
+    sliding_window: int | None = None
+    """Keys a windowed layer's token sees, itself included: the keys at positions ``p - w + 1``
+    .. ``p`` (llama.cpp's standard sliding window). None: every layer sees the whole sequence."""
+    window_layers: tuple[bool, ...] | None = None
+    """Which layers are windowed (``num_layers`` flags); None with a ``sliding_window``: all."""
+    rope_base_local: float | None = None
+    """The rope base of the windowed layers (Gemma 3's 10000), which take neither ``rope_factors``
+    nor ``rope_mscale``; None: the same rope as the other layers."""
+    activation: str = "silu"
+    """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (Gemma's GeGLU)."""
+    post_norms: bool = False
+    """Gemma's RMS norms on the attention's and the MLP's outputs, before each residual add."""
+    embed_scale: float | None = None
+    """A factor on the token embeddings (Gemma: ``sqrt(dim)``); None: none."""
+    attn_scale: float | None = None
+    """The factor on attention scores; None: ``1 / sqrt(head_dim)``."""
 
     def __post_init__(self) -> None:
+        if self.window_layers is not None:  # a list when read back from JSON
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+            if len(self.window_layers) != self.num_layers or self.sliding_window is None:
+                raise ValueError("ModelConfig.window_layers needs a sliding_window and one flag per layer")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int, got {self.sliding_window!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         if self.rope_factors is not None:  # a list when read back from JSON
             object.__setattr__(self, "rope_factors", tuple(float(f) for f in self.rope_factors))
             if len(self.rope_factors) != self.head_dim // 2 or not all(f > 0 for f in self.rope_factors):
@@ -74,17 +104,45 @@ class ModelConfig:
         if not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps must be positive, got {self.norm_eps}")
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys a token sees), or None for a global layer."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
 
-def rope_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    @property
+    def windowed(self) -> bool:
+        """True when some layer has a sliding window."""
+        return any(self.window(i) is not None for i in range(self.num_layers))
+
+    @property
+    def local_rope(self) -> bool:
+        """True when the windowed layers take a rope of their own (:func:`rope_tables` ``local``)."""
+        return self.rope_base_local is not None and self.windowed
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def activation(name: str, x: Tensor) -> Tensor:
+    """The gated MLP's activation ``name`` (:data:`ACTIVATIONS`) of ``x``."""
+    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
+
+
+def rope_tables(config: ModelConfig, *, local: bool = False) -> tuple[Tensor, Tensor]:
     """Float32 cos/sin tables ``(max_seq_len, head_dim)`` for rotate-half RoPE (each frequency
-    divided by its ``rope_factors`` entry, where the model has them)."""
+    divided by its ``rope_factors`` entry and cos/sin times ``rope_mscale``, where the model has
+    them); ``local``: the windowed layers' own rope (base ``rope_base_local``, plain)."""
     half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) / half))
-    if config.rope_factors is not None:
+    base = config.rope_base_local if local and config.rope_base_local is not None else config.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float64) / half))
+    scaled = not (local and config.rope_base_local is not None)
+    if config.rope_factors is not None and scaled:
         inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float64)
     angles = torch.arange(config.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (P, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (P, hd)
-    return angles.cos().float(), angles.sin().float()
+    mscale = config.rope_mscale if scaled else 1.0
+    return (angles.cos() * mscale).float(), (angles.sin() * mscale).float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -123,6 +181,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # set by formats.apply_format (q|k|v rows fused)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.scale = config.attn_scale  # None: SDPA's 1 / sqrt(head_dim)
 
     def forward(
         self,
@@ -159,17 +218,19 @@ class Attention(nn.Module):
         else:
             keys = cache.keys[layer][:, :, :num_slots]  # (B, n_kv, S, hd)
             values = cache.values[layer][:, :, :num_slots]
-            out = attention_under_mask(q, keys, values, mask, is_causal=is_causal)  # (B, H, T, hd)
+            out = attention_under_mask(q, keys, values, mask, is_causal=is_causal, scale=self.scale)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*hd)
         result: Tensor = self.o_proj(out)
         return result
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or tanh GELU
+    (GeGLU) as the config says."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.activation = config.activation
         self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
@@ -180,12 +241,14 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        result: Tensor = self.down_proj(F.silu(gate) * up)
+        result: Tensor = self.down_proj(activation(self.activation, gate) * up)
         return result
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention then MLP, each with a residual."""
+    """Pre-norm transformer block: attention then MLP, each with a residual
+    (``post_attention_layernorm`` is the MLP's input norm, as in HF's LLaMA), and with Gemma's
+    ``post_norms`` a norm on each one's output before its residual add."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -193,6 +256,17 @@ class Block(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
+        self.attn_out_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
+        self.mlp_out_norm = RMSNorm(config.dim, config.norm_eps) if config.post_norms else None
+
+    def add_attention(self, h: Tensor, out: Tensor) -> Tensor:
+        """The residual after attention: ``h + out`` (``out`` normed first under post norms)."""
+        return h + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+
+    def add_mlp(self, h: Tensor) -> Tensor:
+        """The MLP over ``h`` and its residual."""
+        out = self.mlp(self.post_attention_layernorm(h))
+        return h + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
 
 class Transformer(nn.Module):
@@ -212,6 +286,8 @@ class Transformer(nn.Module):
 
     rope_cos: Tensor  # (max_seq_len, hd) float32 buffers, not saved in state dicts
     rope_sin: Tensor
+    rope_cos_local: Tensor  # the windowed layers' own (config.local_rope), else the same tables
+    rope_sin_local: Tensor
 
     def __init__(self, config: ModelConfig, *, init: bool = True) -> None:
         super().__init__()
@@ -234,9 +310,31 @@ class Transformer(nn.Module):
         self.decode_step: DecodeStep | None = None
         # Under init=False from_state_dict sets the tables (torch.arange on meta would also
         # import torch._dynamo).
-        cos, sin = rope_tables(config) if init else (torch.empty(0), torch.empty(0))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        if init:
+            self.set_rope_tables()
+        else:
+            for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
+                self.register_buffer(name, torch.empty(0), persistent=False)
+
+    def set_rope_tables(self) -> None:
+        """(Re)compute the rope tables of the config (on the CPU: they are float64 math)."""
+        cos, sin = rope_tables(self.config)
+        local = rope_tables(self.config, local=True) if self.config.local_rope else (cos, sin)
+        for name, table in zip(("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"), (cos, sin, *local)):
+            self.register_buffer(name, table, persistent=False)
+
+    def layer_rope(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The float32 cos/sin tables ``layer`` rotates by (the windowed layers' own or the others')."""
+        if self.config.local_rope and self.config.window(layer) is not None:
+            return self.rope_cos_local, self.rope_sin_local
+        return self.rope_cos, self.rope_sin
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The first block's input states ``(B, T, D)`` of ``tokens``: their embeddings (times
+        ``embed_scale``, in float32, for Gemma)."""
+        h = self.embed_tokens(tokens)
+        scale = self.config.embed_scale
+        return h if scale is None else (h.float() * scale).to(h.dtype)
 
     @classmethod
     def from_state_dict(
@@ -253,8 +351,7 @@ class Transformer(nn.Module):
             model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
         except RuntimeError as exc:
             raise ValueError(f"state dict does not fit the model config: {exc}") from exc
-        cos, sin = rope_tables(config)
-        model.rope_cos, model.rope_sin = cos, sin
+        model.set_rope_tables()
         return model.eval()
 
     @property
@@ -302,7 +399,9 @@ class Transformer(nn.Module):
         """
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"truncated num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
-        config = ModelConfig(**{**self.config.__dict__, "num_layers": num_layers})
+        windows = self.config.window_layers
+        config = ModelConfig(**{**self.config.__dict__, "num_layers": num_layers,
+                                "window_layers": None if windows is None else windows[:num_layers]})
         with torch.device("meta"):
             small = Transformer(config)
         small.embed_tokens = self.embed_tokens
@@ -311,8 +410,8 @@ class Transformer(nn.Module):
         small.lm_head = self.lm_head
         small.head_kernel = self.head_kernel
         small.weight_format = self.weight_format
-        small.rope_cos = self.rope_cos
-        small.rope_sin = self.rope_sin
+        for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
+            setattr(small, name, getattr(self, name))
         return small
 
     def run_blocks(self, h: Tensor, cache: KVCache, positions: Tensor | None, tree_mask: Tensor | None,
@@ -339,19 +438,36 @@ class Transformer(nn.Module):
             mask, is_causal = slot_mask, False
         elif (num_new == 1 and same_lengths) or is_causal:
             mask = None
-        elif uses_tree_kernel(h.device, tree_mask, num_new):
+        elif uses_tree_kernel(h.device, tree_mask, num_new) and not self.config.windowed:
             assert tree_mask is not None
             mask, ancestor_bits = None, ancestor_bits_from_mask(tree_mask)  # (B, T) words, no (B, 1, T, S) mask
         else:
             mask = build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
+        # A windowed layer's mask: the slots in its window among those the others see, built once
+        # per window (None where no token's window cuts anything: the other layers' mask).
+        windowed: dict[int, Tensor | None] = {}
+        for window in {self.config.window(i) for i in range(len(self.layers))} - {None}:
+            assert window is not None
+            if int(positions.max()) >= window:
+                full = mask if mask is not None else build_attention_mask(cache.lengths, tree_mask, num_new, num_slots)
+                windowed[window] = full & window_mask(cache.lengths, positions, num_slots, window)
+            else:
+                windowed[window] = None
         dtype = self.dtype
-        cos = self.rope_cos[positions].to(dtype)[:, None]  # (B, 1, T, hd)
-        sin = self.rope_sin[positions].to(dtype)[:, None]
+        tables: dict[int, tuple[Tensor, Tensor]] = {}  # by the cos table's id: one gather per rope
         for index, module in enumerate(self.layers):
             block = cast(Block, module)
-            h = h + block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, mask, num_slots, is_causal,
-                                    ancestor_bits)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+            cos_table, sin_table = self.layer_rope(index)
+            if id(cos_table) not in tables:
+                tables[id(cos_table)] = (cos_table[positions].to(dtype)[:, None], sin_table[positions].to(dtype)[:, None])
+            cos, sin = tables[id(cos_table)]  # (B, 1, T, hd)
+            window = self.config.window(index)
+            layer_mask, causal = mask, is_causal
+            if window is not None and windowed[window] is not None:
+                layer_mask, causal = windowed[window], False
+            out = block.self_attn(block.input_layernorm(h), cos, sin, cache, index, lengths, layer_mask, num_slots, causal,
+                                  ancestor_bits if layer_mask is mask else None)
+            h = block.add_mlp(block.add_attention(h, out))
         return h
 
     @overload
@@ -405,7 +521,7 @@ class Transformer(nn.Module):
         step = self.decode_step
         if step is not None and (tokens.shape[1] <= step.max_new or step.is_fused):
             return step(tokens, cache, tree_mask, positions)
-        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
+        h = self.run_blocks(self.embed(tokens), cache, positions, tree_mask)  # (B, T, D)
         return self.norm(h)
 
     def _check_inputs(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None) -> Tensor:

@@ -125,7 +125,7 @@ class DistilledSSM(Transformer):
         batch, num_new = tokens.shape
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this SSM")
-        h = self.run_blocks(self.embed_tokens(tokens), cache, positions, tree_mask)  # (B, T, D)
+        h = self.run_blocks(self.embed(tokens), cache, positions, tree_mask)  # (B, T, D)
         return cast(Tensor, self.norm(h))
 
     def head(self, hidden: Tensor) -> Tensor:

@@ -80,15 +80,31 @@ def build_attention_mask(prefix_lengths: Tensor, tree_mask: Tensor | None, num_n
     return (committed[:, None, :] | new_part)[:, None]  # (B, 1, T, S)
 
 
-def attention_under_mask(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool = False) -> Tensor:
+def window_mask(prefix_lengths: Tensor, positions: Tensor, num_slots: int, window: int) -> Tensor:
+    """The slots ``(B, 1, T, S)`` inside each new token's sliding window of ``window`` keys
+    (True = within): a key at position ``k`` is within the window of a token at position ``p``
+    iff ``p - k < window``. Committed slot ``i`` holds position ``i``; new slot
+    ``prefix_lengths[b] + s`` holds ``positions[b, s]`` (a tree node's depth-based position).
+    And it with :func:`build_attention_mask`'s mask, which says which slots are visible at all."""
+    batch, num_new = positions.shape
+    slots = torch.arange(num_slots, device=positions.device)  # (S,)
+    key_positions = slots.expand(batch, num_slots).clone()  # (B, S)
+    new_slots = prefix_lengths[:, None] + torch.arange(num_new, device=positions.device)  # (B, T)
+    key_positions.scatter_(1, new_slots, positions)
+    return ((positions[:, :, None] - key_positions[:, None, :]) < window)[:, None]  # (B, 1, T, S)
+
+
+def attention_under_mask(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool = False,
+                         scale: float | None = None) -> Tensor:
     """Scaled dot-product attention with GQA: q ``(B, H, T, hd)``, k/v ``(B, n_kv, S, hd)``.
 
     ``mask`` is a bool ``(B, 1, T, S)`` (True = attend) or ``None``; with ``None``, every slot is
     visible unless ``is_causal`` (then ``S == T`` and token t sees slots ``<= t``, which lets
-    torch use its fused causal kernel for prefill from an empty cache). Returns ``(B, H, T, hd)``.
+    torch use its fused causal kernel for prefill from an empty cache). ``scale``: the scores'
+    factor (None: ``1 / sqrt(hd)``). Returns ``(B, H, T, hd)``.
     """
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1], scale=scale
     )
 
 

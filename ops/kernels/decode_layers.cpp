@@ -5,7 +5,8 @@
 // builds compute the same bits (the attention's 16 lanes are one zmm register or two ymm
 // halves, folded and summed alike).
 // treeserve_layers::run(h, positions, tree_mask, lengths, keys, values, rope_cos, rope_sin,
-//                       weights, num_heads, num_kv_heads, eps, kernel) -> hidden
+//                       rope_cos_local, rope_sin_local, weights, windows, num_heads,
+//                       num_kv_heads, eps, kernel, activation, attn_scale) -> hidden
 //
 // Why one op: at one row the compiled step's own work is about 4.5 ms, but the step took about
 // 6.5. Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each,
@@ -30,14 +31,18 @@
 //   x = rms_norm(h) * w_in; q|k|v = q4_mm(x); q, k = rope(q), rope(k) (cos/sin rounded to bf16
 //   first, as the step does); write k, v; a = attend(q); h = bf16(h + q4_mm(a));
 //   x = rms_norm(h) * w_post; g|u = q4_mm(x); h = bf16(h + q4_mm(silu(g) * u))
-// and the final norm. The weights are the model's own buffers (the same values as every other
+// and the final norm. Gemma 3's parts, where a layer has them: a sliding window (windows[layer]
+// > 0 keys, rotated by the local rope tables when they are given), scores times attn_scale
+// (0: 1/sqrt(hd)), rms norms on the attention's and the MLP's outputs before each add (their
+// weights, 17 and 18 of a layer, or empty), and tanh GELU for SiLU (activation 1). The weights are the model's own buffers (the same values as every other
 // path); h is (B, T, D) bf16, positions (B, T) long, tree_mask (B, T, T) bool (or empty: a
 // causal chain, as a prefill is), lengths (B,) long (committed lengths: K/V go to slots
 // lengths[b] + t), keys/values the cache's per-layer contiguous (B, n_kv, C, hd) bf16 storage,
-// rope_cos/rope_sin (P, hd) float32, and weights 17 a layer (w_in, qkv's three, qkv's bias (bf16,
+// rope_cos/rope_sin (P, hd) float32, and weights 19 a layer (w_in, qkv's three, qkv's bias (bf16,
 // or empty: Qwen2's q/k/v biases, added as the eager step adds them, bf16(y + b)), the q and k
 // head norms' weights (or empty: Qwen3's, each head normed before RoPE), o's three, w_post,
-// gate_up's three, down's three; the norms' weights float32) and the final norm's last.
+// gate_up's three, down's three, the attention's and the MLP's output norms (or empty); the
+// norms' weights float32) and the final norm's last.
 // A linear's three are (codes, scales_zeros bf16, empty) on the 4-bit kernel's packing or
 // (codes, scales float32, zeros) on the 8-bit codes' (kernels/codes8.py).
 
@@ -67,7 +72,7 @@ using simd16::bf16_round8;
 using simd16::bf16x8;
 using simd16::reduce_add8;
 
-constexpr int64_t kWeightsPerLayer = 17;
+constexpr int64_t kWeightsPerLayer = 19;
 constexpr int64_t kGrain = 4;  // rows a thread takes in the elementwise stages
 
 inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -139,17 +144,21 @@ void add_into(bf16* h, const bf16* delta, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) store8(h + i, _mm256_add_ps(bf16x8(bits(h + i)), bf16x8(bits(delta + i))));
 }
 
-// out[r] = bf16(silu(g) * u) for a row g | u of 2F (F a multiple of 16): g / (1 + exp(-g)),
-// with simd16's exp (clamped: a very negative g gives g / 3.3e38, about 0).
-void silu_mul(const bf16* gate_up, int64_t rows, int64_t F, bf16* out) {
+// out[r] = bf16(act(g) * u) for a row g | u of 2F (F a multiple of 16), with simd16's exp
+// (clamped: a very negative argument gives g / 3.3e38, about 0): SiLU, g / (1 + exp(-g)), or
+// (gelu) tanh GELU, 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g / (1 + exp(-2c (g + 0.044715 g^3))).
+void act_mul(const bf16* gate_up, int64_t rows, int64_t F, bool gelu, bf16* out) {
   using simd16::V16;
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     const V16 one = simd16::vset1(1.0f);
+    const V16 cubic = simd16::vset1(0.044715f), two_c = simd16::vset1(-1.5957691216057308f);  // -2 sqrt(2 / pi)
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* g = bits(gate_up + r * 2 * F);
       for (int64_t i = 0; i < F; i += 16) {
         const V16 gv = simd16::vload_bf16(g + i, 0xffff);
-        const V16 silu = simd16::vdiv(gv, simd16::vadd(one, simd16::vexp(simd16::vsub(simd16::vzero(), gv))));
+        const V16 arg = gelu ? simd16::vmul(two_c, simd16::vfmadd(simd16::vmul(cubic, gv), simd16::vmul(gv, gv), gv))
+                             : simd16::vsub(simd16::vzero(), gv);
+        const V16 silu = simd16::vdiv(gv, simd16::vadd(one, simd16::vexp(arg)));
         simd16::vstore_bf16(bits(out + r * F + i), simd16::vmul(silu, simd16::vload_bf16(g + F + i, 0xffff)), 0xffff);
       }
     }
@@ -201,6 +210,7 @@ struct Visible {
   int64_t committed;     // L
   const int32_t* nodes;  // the visible new slots' indices s, ascending; null for a causal chain
   int64_t count;         // L + number of visible new slots
+  int64_t first;         // the first key in a sliding window (key i is at position i), else 0
   int64_t slot(int64_t i) const { return i < committed || !nodes ? i : committed + nodes[i - committed]; }
 };
 
@@ -331,12 +341,13 @@ inline void weigh(const float (*p)[kKeyBlock], const float* shrink, int64_t n, c
   }
 }
 
-// R query rows (q, their states) take a block's first n keys (keys and values past n must be
-// readable; their scores are never used). The block's weights are exp(score - max) (simd16's
-// exp, lane by lane; the padding's zero), and their sum the 16-key pieces added in order, then
-// folded and summed as reduce_add8 does.
+// R query rows (q, their states) take keys [lo, n) of a block (lo < n; keys and values past n
+// must be readable; their scores, and those before lo, outside a sliding window, are never
+// used). The block's weights are exp(score - max) (simd16's exp, lane by lane; zero outside
+// [lo, n)), and their sum the 16-key pieces added in order, then folded and summed as
+// reduce_add8 does.
 template <int R, class Rows>
-void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& values, int64_t n, float scale,
+void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& values, int64_t lo, int64_t n, float scale,
                  RowState* rows) {
   alignas(64) float score[R][kKeyBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kKeysPerPass) score_keys<R>(q, hd, keys, j0, scale, score);
@@ -347,6 +358,7 @@ void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& value
     RowState& row = rows[r];
     float* sr = score[r];
     for (int64_t j = n; j < pieces * 16; ++j) sr[j] = minus_inf;  // padding: no part in the maximum
+    for (int64_t j = 0; j < lo; ++j) sr[j] = minus_inf;  // before the window, likewise
     V16 top = simd16::vload(sr);
     for (int64_t c = 1; c < pieces; ++c) top = simd16::vmax(top, simd16::vload(sr + 16 * c));
     const float new_max = std::max(row.max, simd16::reduce_max8(fold_max(top)));
@@ -355,6 +367,7 @@ void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& value
     for (int64_t c = 0; c < pieces; ++c) {
       V16 w = simd16::vexp(simd16::vsub(simd16::vload(sr + 16 * c), m));
       if (c == pieces - 1 && n % 16) w = simd16::vmaskz_mov(simd16::Mask16((1u << (n % 16)) - 1), w);
+      if (lo > 16 * c) w = lo >= 16 * c + 16 ? simd16::vzero() : simd16::vmaskz_mov(simd16::Mask16(~((1u << (lo - 16 * c)) - 1)), w);
       simd16::vstore(sr + 16 * c, w);
       total = simd16::vadd(total, w);
     }
@@ -365,23 +378,25 @@ void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& value
   weigh<R>(score, shrink, n, values, hd, rows);
 }
 
-// G query rows take a block's first n keys, three rows at a time.
+// G query rows take keys [lo, n) of a block, three rows at a time.
 template <class Rows>
-void attend_block(const float* q, int64_t G, int64_t hd, const Rows& keys, const Rows& values, int64_t n, float scale,
-                  RowState* rows) {
+void attend_block(const float* q, int64_t G, int64_t hd, const Rows& keys, const Rows& values, int64_t lo, int64_t n,
+                  float scale, RowState* rows) {
   int64_t r = 0;
-  for (; r + 3 <= G; r += 3) attend_rows<3>(q + r * hd, hd, keys, values, n, scale, rows + r);
-  if (G - r == 2) attend_rows<2>(q + r * hd, hd, keys, values, n, scale, rows + r);
-  if (G - r == 1) attend_rows<1>(q + r * hd, hd, keys, values, n, scale, rows + r);
+  for (; r + 3 <= G; r += 3) attend_rows<3>(q + r * hd, hd, keys, values, lo, n, scale, rows + r);
+  if (G - r == 2) attend_rows<2>(q + r * hd, hd, keys, values, lo, n, scale, rows + r);
+  if (G - r == 1) attend_rows<1>(q + r * hd, hd, keys, values, lo, n, scale, rows + r);
 }
 
 // out (B, T, H * hd) bf16: every new token's attention (see above). q (B, T, H, hd) bf16;
 // keys/values the layer's (B, n_kv, C, hd) bf16 cache, the new tokens' K/V already written;
-// mask (B, T, T) bool or null (causal).
+// mask (B, T, T) bool or null (causal); window > 0: each token sees its last `window` keys only
+// (its sequence's keys [count - window, count): the blocks and segments are still counted from
+// the sequence's first key, so the order of every sum stays a function of the token's own
+// position); scale the scores' factor.
 void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, const int64_t* lengths,
-            const bool* mask, const AttnShape& s, uint16_t* out) {
+            const bool* mask, const AttnShape& s, int64_t window, float scale, uint16_t* out) {
   const int64_t G = s.H / s.n_kv, tokens = s.B * s.T, hd = s.hd;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // Each token's visible new slots (a tree), its segments, and where its partial results go:
   // (token, KV head, segment) at first_part[token] + g * segments + k.
   std::vector<int32_t> nodes(mask ? tokens * s.T : 0);
@@ -403,6 +418,7 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
       v.nodes = nullptr;
       v.count = v.committed + t + 1;
     }
+    v.first = window > 0 ? std::max<int64_t>(0, v.count - window) : 0;
     const int64_t segments = std::max<int64_t>(1, (v.count + kSegment - 1) / kSegment);
     row_segments[b] = std::max(row_segments[b], segments);
     first_part[bt + 1] = first_part[bt] + segments * s.n_kv;
@@ -472,7 +488,8 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
         // The chunk's tokens that reach this segment, their queries and states.
         members.clear();
         for (int64_t t = c * kTokenChunk; t < std::min(s.T, (c + 1) * kTokenChunk); ++t) {
-          if (visible[b * s.T + t].count > i_begin) members.push_back(t);
+          const Visible& v = visible[b * s.T + t];
+          if (v.count > i_begin && v.first < i_begin + kSegment) members.push_back(t);
         }
         const int64_t m = static_cast<int64_t>(members.size());
         qf.resize(m * G * hd);
@@ -490,9 +507,14 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
         const uint16_t* vrow[kKeyBlock];
         for (int64_t i0 = i_begin; i0 < i_begin + kSegment; i0 += kKeyBlock) {
           if (!mask || i0 + kKeyBlock <= L) {  // key i is slot i for every token
-            int64_t widest = 0;
-            for (int64_t i = 0; i < m; ++i) widest = std::max(widest, std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0));
-            if (widest <= 0) break;
+            int64_t widest = 0, reach = 0;
+            for (int64_t i = 0; i < m; ++i) {
+              const Visible& v = visible[b * s.T + members[i]];
+              reach = std::max(reach, v.count - i0);
+              if (v.first < i0 + kKeyBlock) widest = std::max(widest, std::min(kKeyBlock, v.count - i0));
+            }
+            if (reach <= 0) break;
+            if (widest <= 0) continue;  // every token's window starts past this block
             if (i0 + kKeyBlock < i_begin + kSegment)  // the segment's next block into L2 meanwhile
               for (int64_t line = 0; line < kKeyBlock * hd * 2; line += 64) {
                 _mm_prefetch(reinterpret_cast<const char*>(kbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
@@ -507,25 +529,27 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
             const Widened wk{blk->k, hd}, wv{blk->v, hd};
             const Cached ck{krow}, cv{vrow};
             for (int64_t i = 0; i < m; ++i) {
-              const int64_t n = std::min(kKeyBlock, visible[b * s.T + members[i]].count - i0);
-              if (n <= 0) continue;
-              if (m > 1) attend_block(qf.data() + i * G * hd, G, hd, wk, wv, n, scale, rows.data() + i * G);
-              else attend_block(qf.data() + i * G * hd, G, hd, ck, cv, n, scale, rows.data() + i * G);
+              const Visible& v = visible[b * s.T + members[i]];
+              const int64_t n = std::min(kKeyBlock, v.count - i0), lo = std::max<int64_t>(0, v.first - i0);
+              if (n <= lo) continue;
+              if (m > 1) attend_block(qf.data() + i * G * hd, G, hd, wk, wv, lo, n, scale, rows.data() + i * G);
+              else attend_block(qf.data() + i * G * hd, G, hd, ck, cv, lo, n, scale, rows.data() + i * G);
             }
             prefetch_next(kKeyBlock);
           } else {  // tree slots: each token's own keys, read in the cache
             bool any = false;
             for (int64_t i = 0; i < m; ++i) {
               const Visible& v = visible[b * s.T + members[i]];
-              const int64_t n = std::min(kKeyBlock, v.count - i0);
+              const int64_t n = std::min(kKeyBlock, v.count - i0), lo = std::max<int64_t>(0, v.first - i0);
               if (n <= 0) continue;
               any = true;
+              if (n <= lo) continue;
               for (int64_t j = 0; j < (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass; ++j) {
                 const int64_t slot = v.slot(i0 + std::min(j, n - 1));
                 krow[j] = kbase + slot * hd;
                 vrow[j] = vbase + slot * hd;
               }
-              attend_block(qf.data() + i * G * hd, G, hd, Cached{krow}, Cached{vrow}, n, scale, rows.data() + i * G);
+              attend_block(qf.data() + i * G * hd, G, hd, Cached{krow}, Cached{vrow}, lo, n, scale, rows.data() + i * G);
             }
             if (!any) break;
           }
@@ -549,13 +573,14 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
     for (int64_t item = 0; item < tokens * s.n_kv; ++item) {
       const int64_t bt = item / s.n_kv, g = item % s.n_kv;
       const int64_t segments = (first_part[bt + 1] - first_part[bt]) / s.n_kv;
+      const int64_t k0 = visible[bt].first / kSegment;  // segments before a window: never attended
       const float* first = parts + (first_part[bt] + g * segments) * part_floats;
       for (int64_t r = 0; r < G; ++r) {
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t k = 0; k < segments; ++k) top = std::max(top, first[k * part_floats + r]);
+        for (int64_t k = k0; k < segments; ++k) top = std::max(top, first[k * part_floats + r]);
         float sum = 0.0f;
         std::fill(total, total + hd, 0.0f);
-        for (int64_t k = 0; k < segments; ++k) {
+        for (int64_t k = k0; k < segments; ++k) {
           const float* p = first + k * part_floats;
           const float factor = first_lane(simd16::vexp(simd16::vset1(p[r] - top)));
           sum += p[G + r] * factor;
@@ -610,8 +635,9 @@ at::Tensor linear(int64_t kernel, const at::Tensor& x, const at::Tensor* w, int6
 
 at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at::Tensor& tree_mask_in,
                const at::Tensor& lengths_in, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
-               const at::Tensor& rope_sin, at::TensorList weights, int64_t num_heads, int64_t num_kv_heads,
-               double eps, int64_t kernel) {
+               const at::Tensor& rope_sin, const at::Tensor& rope_cos_local, const at::Tensor& rope_sin_local,
+               at::TensorList weights, at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads, double eps,
+               int64_t kernel, int64_t activation, double attn_scale) {
   static auto write_kv = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("treeserve_attn::write_kv", "")
                              .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -619,6 +645,9 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   const int64_t num_layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(h_in.dim() == 3 && h_in.scalar_type() == at::kBFloat16, "treeserve_layers::run: h must be (B, T, D) bf16");
   TORCH_CHECK(kernel == 0 || kernel == 1, "treeserve_layers::run: kernel must be 0 (AVX2) or 1 (AVX512-VNNI)");
+  TORCH_CHECK(activation == 0 || activation == 1, "treeserve_layers::run: activation must be 0 (SiLU) or 1 (tanh GELU)");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == static_cast<int64_t>(keys.size()),
+              "treeserve_layers::run: one window a layer (0: none)");
   TORCH_CHECK(values.size() == keys.size() && static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers + 1,
               "treeserve_layers::run: ", kWeightsPerLayer, " weights a layer and the final norm's, per cache layer");
   const int64_t B = h_in.size(0), T = h_in.size(1), D = h_in.size(2), rows = B * T;
@@ -651,6 +680,11 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < rope_cos.size(0), "treeserve_layers::run: a position outside the rope tables");
+  const bool local_rope = rope_cos_local.numel() != 0;
+  TORCH_CHECK(!local_rope || (rope_cos_local.scalar_type() == at::kFloat && rope_sin_local.scalar_type() == at::kFloat &&
+                              rope_cos_local.is_contiguous() && rope_sin_local.is_contiguous() &&
+                              rope_cos_local.sizes() == rope_cos.sizes() && rope_sin_local.sizes() == rope_cos.sizes()),
+              "treeserve_layers::run: the local rope tables must be empty or as the others");
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "treeserve_layers::run: weights must be contiguous CPU tensors");
 
@@ -663,10 +697,15 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   at::Tensor attended = at::empty({rows, q_size}, h.options());
   auto* hp = reinterpret_cast<bf16*>(h.data_ptr());
   auto* xp = reinterpret_cast<bf16*>(x.data_ptr());
-  const auto* cos_p = rope_cos.data_ptr<float>();
-  const auto* sin_p = rope_sin.data_ptr<float>();
+  const float scale = attn_scale > 0 ? static_cast<float>(attn_scale) : 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const bool local = local_rope && windows[layer] > 0;
+    const auto* cos_p = (local ? rope_cos_local : rope_cos).data_ptr<float>();
+    const auto* sin_p = (local ? rope_sin_local : rope_sin).data_ptr<float>();
+    for (int64_t i : {17, 18})
+      TORCH_CHECK(w[i].numel() == 0 || (w[i].scalar_type() == at::kFloat && w[i].numel() == D),
+                  "treeserve_layers::run: the output norms' weights must be (D,) float32, or empty");
     TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[10].scalar_type() == at::kFloat && w[0].numel() == D &&
                     w[10].numel() == D && w[11].numel() % (2 * D) == 0,
                 "treeserve_layers::run: the norms' weights must be (D,) float32");
@@ -695,16 +734,21 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
     at::Tensor layer_keys = keys[layer], layer_values = values[layer];
     write_kv.call(layer_keys, layer_values, k, v, lengths);
     attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), bits(reinterpret_cast<const bf16*>(layer_keys.data_ptr())),
-           bits(reinterpret_cast<const bf16*>(layer_values.data_ptr())), len, mask, shape,
+           bits(reinterpret_cast<const bf16*>(layer_values.data_ptr())), len, mask, shape, windows[layer], scale,
            bits(reinterpret_cast<bf16*>(attended.data_ptr())));
     const at::Tensor o = linear(kernel, attended, w + 7, D);
+    if (w[17].numel() != 0) rms_norm(reinterpret_cast<bf16*>(o.data_ptr()), w[17].data_ptr<float>(), rows, D, eps,
+                                     reinterpret_cast<bf16*>(o.data_ptr()));
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);
     rms_norm(hp, w[10].data_ptr<float>(), rows, D, eps, xp);
     const int64_t ffn = w[11].numel() * (w[12].scalar_type() == at::kBFloat16 ? 2 : 1) / (2 * D);  // gate_up's codes
     const at::Tensor gate_up = linear(kernel, x, w + 11, 2 * ffn);
     at::Tensor act = at::empty({rows, ffn}, h.options());
-    silu_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, reinterpret_cast<bf16*>(act.data_ptr()));
+    act_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, activation == 1,
+            reinterpret_cast<bf16*>(act.data_ptr()));
     const at::Tensor down = linear(kernel, act, w + 14, D);
+    if (w[18].numel() != 0) rms_norm(reinterpret_cast<bf16*>(down.data_ptr()), w[18].data_ptr<float>(), rows, D, eps,
+                                     reinterpret_cast<bf16*>(down.data_ptr()));
     add_into(hp, reinterpret_cast<const bf16*>(down.data_ptr()), rows * D);
   }
   const at::Tensor& final_norm = weights[weights.size() - 1];
@@ -719,8 +763,8 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
 
 TORCH_LIBRARY(treeserve_layers, m) {
   m.def("run(Tensor h, Tensor positions, Tensor tree_mask, Tensor lengths, Tensor(a!)[] keys, Tensor(b!)[] values, "
-        "Tensor rope_cos, Tensor rope_sin, Tensor[] weights, int num_heads, int num_kv_heads, float eps, int kernel) "
-        "-> Tensor");
+        "Tensor rope_cos, Tensor rope_sin, Tensor rope_cos_local, Tensor rope_sin_local, Tensor[] weights, "
+        "int[] windows, int num_heads, int num_kv_heads, float eps, int kernel, int activation, float attn_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treeserve_layers, CPU, m) { m.impl("run", run); }

@@ -20,7 +20,8 @@ Python per op nor compiling. :func:`fits` says whether a model can take it: ever
 linears on the ``q4_amx`` packing with one of the two int8-row kernels or on ``codes8``'s (on the
 same CPU's kernels), without biases but Q/K/V's (Qwen2's), without hooks
 (a tensor-parallel shard's all-reduce keeps the compiled step), bf16 activations, a head size
-that is a multiple of 16 (at most 256) and at most 16 query heads per KV head. :func:`run` takes
+that is a multiple of 16 (at most 256) and at most 16 query heads per KV head; Gemma 3's sliding
+windows, local rope, output norms, GELU and attention scale are the op's too. :func:`run` takes
 :func:`~treeserve.ops.decode_step.blocks_hidden`'s arguments and returns its result.
 
 Built once per machine (:mod:`cpp_build`) after the ops it calls are loaded.
@@ -115,9 +116,10 @@ def fits(model: torch.nn.Module) -> bool:
 
 
 def weights(model: torch.nn.Module) -> list[Tensor]:
-    """The op's ``weights`` list for ``model`` (17 a block, then the final norm's): the linears'
+    """The op's ``weights`` list for ``model`` (19 a block, then the final norm's): the linears'
     own buffers, three each, Q/K/V's bias (bf16, or empty), the Q and K head norms' weights (or
-    empty) and the norms' weights in float32 (exact copies of their bf16 values)."""
+    empty), the attention's and the MLP's output norms' (Gemma's, or empty) and the norms' weights
+    in float32 (exact copies of their bf16 values)."""
     from treeserve.ops.formats import Codes8Linear, Int4Linear
     from treeserve.ops.model import Block, Transformer
 
@@ -140,6 +142,8 @@ def weights(model: torch.nn.Module) -> list[Tensor]:
         out += three(block.self_attn.o_proj)
         out.append(block.post_attention_layernorm.weight.detach().float().contiguous())
         out += three(block.mlp.gate_up_proj) + three(block.mlp.down_proj)
+        for norm in (block.attn_out_norm, block.mlp_out_norm):
+            out.append(_NO_MASK if norm is None else norm.weight.detach().float().contiguous())
     out.append(model.norm.weight.detach().float().contiguous())
     return out
 
@@ -150,12 +154,18 @@ def run(model: torch.nn.Module, weight_list: list[Tensor], h: Tensor, positions:
     K/V at slots ``lengths[b] + t`` (the arguments of
     :func:`~treeserve.ops.decode_step.blocks_hidden`, but ``tree_mask`` None for a causal chain
     of any length; ``weight_list`` from :func:`weights`, ``kernel`` from :func:`kernel_of`)."""
+    from treeserve.ops.model import ACTIVATIONS  # the op's activation argument: an index in it
+
     config = model.config  # type: ignore[attr-defined]
     mask = _NO_MASK if tree_mask is None else tree_mask
+    local = (model.rope_cos_local, model.rope_sin_local) if config.local_rope else (_NO_ROPE, _NO_ROPE)  # type: ignore[attr-defined]
+    windows = [config.window(i) or 0 for i in range(config.num_layers)]
     out: Tensor = torch.ops.treeserve_layers.run(
-        h, positions, mask, lengths, keys, values, model.rope_cos, model.rope_sin, weight_list,  # type: ignore[attr-defined]
-        config.num_heads, config.num_kv_heads, float(config.norm_eps), kernel)
+        h, positions, mask, lengths, keys, values, model.rope_cos, model.rope_sin, *local, weight_list,  # type: ignore[attr-defined]
+        windows, config.num_heads, config.num_kv_heads, float(config.norm_eps), kernel,
+        ACTIVATIONS.index(config.activation), float(config.attn_scale or 0.0))
     return out
 
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_ROPE = torch.empty(0, dtype=torch.float32)

@@ -1,11 +1,16 @@
-"""Read a LLaMA-family GGUF file (``llama``, ``qwen2`` or ``qwen3`` architecture) into a state dict + config.
+"""Read a LLaMA-family GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3`` or ``gemma3``
+architecture) into a state dict + config.
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` and its GGUF shape is
 reversed to get the torch ``(out, in)`` layout. llama-architecture files store ``attn_q`` and
 ``attn_k`` permuted for llama.cpp's interleaved rope (``convert_hf_to_gguf.py``'s ``permute``);
-we undo that so the usual rotate-half rope applies. qwen2 and qwen3 files are not permuted;
-qwen3's per-head Q/K norms (``attn_q_norm``, ``attn_k_norm``) set ``qk_norm``. Embeddings
-are tied when there is no ``output.weight``.
+we undo that so the usual rotate-half rope applies. The other architectures are not permuted.
+qwen3's and gemma3's per-head Q/K norms (``attn_q_norm``, ``attn_k_norm``) set ``qk_norm``.
+phi3 stores Q/K/V as one ``attn_qkv`` and gate/up as one ``ffn_up``: they are split by rows.
+gemma3 adds norms on the attention's and the MLP's outputs (its norm weights are stored with
+Gemma's ``1 +`` already added), sliding-window layers with their own rope base, scaled
+embeddings and a GELU MLP, as llama.cpp reads them. Embeddings are tied when there is no
+``output.weight``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from treeserve.ops.block_types import BLOCK_TYPES, StoredBlocks, UnsupportedBloc
 from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.ops.model import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 PERMUTED_ARCHITECTURES = ("llama",)
 
 _BLOCK_NAMES = {
@@ -40,7 +45,13 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "post_attention_norm.weight": "attn_out_norm.weight",
+    "post_ffw_norm.weight": "mlp_out_norm.weight",
 }
+GEMMA3_SWA_PATTERN = 6
+"""llama.cpp's default for gemma3: of every six layers, the first five are windowed."""
+GEMMA3_ROPE_BASE_SWA = 10000.0
+"""llama.cpp's default rope base of gemma3's windowed layers."""
 _TOP_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -97,7 +108,7 @@ def config_from_gguf(reader: Any) -> tuple[ModelConfig, str]:
     dim = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv") or num_heads)
-    head_dim = field_value(reader, f"{arch}.attention.key_length") or field_value(reader, f"{arch}.rope.dimension_count")
+    head_dim = field_value(reader, f"{arch}.attention.key_length")  # llama.cpp's n_embd_head_k
     vocab = field_value(reader, f"{arch}.vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -105,44 +116,91 @@ def config_from_gguf(reader: Any) -> tuple[ModelConfig, str]:
         vocab = len(tokens.data) if tokens is not None else int(embd.shape[-1])
     names = {t.name for t in reader.tensors}
     head_size = int(head_dim) if head_dim else dim // num_heads
+    rotary = field_value(reader, f"{arch}.rope.dimension_count")
+    if rotary and int(rotary) != head_size:
+        raise GGUFFormatError(f"GGUF rope over {rotary} of each head's {head_size} dimensions (partial rotary) is not supported")
+    num_layers = int(need("block_count"))
+    extra = _gemma3_fields(reader, dim, num_heads, num_layers) if arch == "gemma3" else {}
+    factors, mscale, context = rope_factors(reader, arch, head_size)
     config = ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_size,
         ffn_dim=int(need("feed_forward_length")),
         rope_base=_from_float32(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
         norm_eps=_from_float32(need("attention.layer_norm_rms_epsilon")),
-        max_seq_len=int(field_value(reader, f"{arch}.context_length") or 2048),
+        max_seq_len=context or int(field_value(reader, f"{arch}.context_length") or 2048),
         qkv_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_factors=rope_factors(reader, arch, head_size),
+        rope_factors=factors,
+        rope_mscale=mscale,
+        **extra,
     )
     return config, arch
 
 
-def rope_factors(reader: Any, arch: str, head_size: int) -> tuple[float, ...] | None:
-    """The divisor of each rotary frequency: Llama 3.1+'s ``rope_freqs`` tensor (which llama.cpp's
-    converter computes from the model's ``rope_scaling``), a linear scaling's factor, or None for
-    plain rope. Other scalings (YaRN) raise :class:`GGUFFormatError`: served without them the
-    model would answer, wrongly."""
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
-        values = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+def _gemma3_fields(reader: Any, dim: int, num_heads: int, num_layers: int) -> dict[str, Any]:
+    """gemma3's :class:`ModelConfig` fields beyond the llama ones, as llama.cpp reads them
+    (``llama_model_gemma3::load_arch_hparams``): the sliding window and its layers (an array of
+    flags, or every ``pattern``-th layer global), the windowed layers' rope base, and the
+    attention scale (``1/sqrt(dim / heads)`` for the 62-layer 27B, else ``1/sqrt(head size)``)."""
+    if field_value(reader, "gemma3.final_logit_softcapping"):
+        raise GGUFFormatError("GGUF gemma3 with final logit softcapping is not supported")
+    window = field_value(reader, "gemma3.attention.sliding_window")
+    fields: dict[str, Any] = {"activation": "gelu_tanh", "post_norms": True, "embed_scale": float(np.sqrt(np.float32(dim)))}
+    if num_layers == 62:
+        fields["attn_scale"] = float(1.0 / np.sqrt(np.float32(dim // num_heads)))
+    if window:
+        pattern = field_value(reader, "gemma3.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            layers = tuple(bool(p) for p in pattern)
+        else:
+            n = int(pattern) if pattern is not None else GEMMA3_SWA_PATTERN
+            layers = tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
+        base = field_value(reader, "gemma3.rope.freq_base_swa")
+        fields.update(sliding_window=int(window), window_layers=layers,
+                      rope_base_local=_from_float32(base) if base else GEMMA3_ROPE_BASE_SWA)
+    return fields
+
+
+def rope_factors(reader: Any, arch: str, head_size: int) -> tuple[tuple[float, ...] | None, float, int | None]:
+    """The divisor of each rotary frequency, a factor on cos and sin, and a context limit (None:
+    the file's): Llama 3.1+'s ``rope_freqs`` tensor (which llama.cpp's converter computes from the
+    model's ``rope_scaling``), a linear scaling's factor, Phi-3's long-rope short factors
+    (``rope_factors_short``, with its ``attn_factor``: what llama.cpp runs within the original
+    context, to which the context is then limited), or None for plain rope. Other scalings
+    (YaRN) raise :class:`GGUFFormatError`: served without them the model would answer, wrongly."""
+    def factors_of(name: str) -> tuple[float, ...] | None:
+        tensor = next((t for t in reader.tensors if t.name == name), None)
+        if tensor is None:
+            return None
+        values = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
         if values.shape[0] != head_size // 2:
-            raise GGUFFormatError(f"rope_freqs has {values.shape[0]} factors; the head size {head_size} needs {head_size // 2}")
+            raise GGUFFormatError(f"{name} has {values.shape[0]} factors; the head size {head_size} needs {head_size // 2}")
         return tuple(float(v) for v in values)
+
+    freqs = factors_of("rope_freqs.weight")
+    if freqs is not None:
+        return freqs, 1.0, None
+    short = factors_of("rope_factors_short.weight")
+    if short is not None:
+        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if not original:
+            raise GGUFFormatError("GGUF long-rope factors without rope.scaling.original_context_length")
+        mscale = field_value(reader, f"{arch}.rope.scaling.attn_factor")
+        return short, float(mscale) if mscale else 1.0, int(original)
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
-        return None
+        return None, 1.0, None
     factor = field_value(reader, f"{arch}.rope.scaling.factor")
     if scaling == "linear" and factor:
-        return (float(factor),) * (head_size // 2)
+        return (float(factor),) * (head_size // 2), 1.0, None
     raise GGUFFormatError(f"GGUF rope scaling {scaling!r} is not supported; supported: plain rope, linear, "
-                          "and Llama 3's per-frequency factors (rope_freqs)")
+                          "Llama 3's per-frequency factors (rope_freqs) and Phi-3's short long-rope factors")
 
 
 def _from_float32(value: float) -> float:
@@ -151,13 +209,30 @@ def _from_float32(value: float) -> float:
 
 
 def torch_name(gguf_name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name, or None for tensors we do not use."""
+    """Our parameter name for a GGUF tensor name, or None for tensors we do not use (or split:
+    :func:`torch_parts`)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
         return f"layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
     return None
+
+
+def torch_parts(gguf_name: str, config: ModelConfig, arch: str) -> list[tuple[str, int, int]]:
+    """Our parameters held in GGUF tensor ``gguf_name``, each with its rows ``[start, stop)``:
+    one whole tensor, phi3's ``attn_qkv`` (Q, K, V rows) and ``ffn_up`` (gate, up rows), or none."""
+    parts = gguf_name.split(".", 2)
+    if arch == "phi3" and len(parts) == 3 and parts[0] == "blk" and parts[2] in ("attn_qkv.weight", "ffn_up.weight"):
+        prefix = f"layers.{parts[1]}"
+        if parts[2] == "attn_qkv.weight":
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            return [(f"{prefix}.self_attn.q_proj.weight", 0, q), (f"{prefix}.self_attn.k_proj.weight", q, q + kv),
+                    (f"{prefix}.self_attn.v_proj.weight", q + kv, q + 2 * kv)]
+        f = config.ffn_dim
+        return [(f"{prefix}.mlp.gate_proj.weight", 0, f), (f"{prefix}.mlp.up_proj.weight", f, 2 * f)]
+    name = torch_name(gguf_name)
+    return [] if name is None else [(name, 0, -1)]
 
 
 def read_gguf(path: str | Path, *, unpermute_qk: bool = True) -> GGUFModel:
@@ -178,19 +253,21 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
     config, arch = check_reader(reader)
     state: dict[str, Tensor] = {}
     for tensor in reader.tensors:
-        name = torch_name(tensor.name)
-        if name is None:
+        parts = torch_parts(tensor.name, config, arch)
+        if not parts:
             continue
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.ascontiguousarray(array.reshape(tuple(int(d) for d in reversed(tensor.shape))), dtype=np.float32)
-        if unpermute_qk and arch in PERMUTED_ARCHITECTURES:
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                array = unpermute_llama_rope(array, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                array = unpermute_llama_rope(array, config.num_kv_heads)
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
-            array = array.copy()
-        state[name] = torch.from_numpy(array)
+        whole = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        whole = np.ascontiguousarray(whole.reshape(tuple(int(d) for d in reversed(tensor.shape))), dtype=np.float32)
+        for name, start, stop in parts:
+            array = whole if stop < 0 else np.ascontiguousarray(whole[start:stop])
+            if unpermute_qk and arch in PERMUTED_ARCHITECTURES:
+                if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                    array = unpermute_llama_rope(array, config.num_heads)
+                elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                    array = unpermute_llama_rope(array, config.num_kv_heads)
+            if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+                array = array.copy()
+            state[name] = torch.from_numpy(array)
     missing = [n for n in ("embed_tokens.weight", "norm.weight") if n not in state]
     if missing:
         raise GGUFFormatError(f"GGUF file lacks tensors for {missing}")
@@ -199,7 +276,15 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
 
 def tensor_types(reader: Any) -> dict[str, str]:
     """The GGUF type name (``Q4_K``, ``F32``...) of every tensor we use, by GGUF tensor name."""
-    return {t.name: t.tensor_type.name for t in reader.tensors if torch_name(t.name) is not None}
+    config, arch = config_from_gguf(reader)
+    return {t.name: t.tensor_type.name for t in reader.tensors if torch_parts(t.name, config, arch)}
+
+
+def parameter_types(reader: Any) -> dict[str, str]:
+    """The GGUF type name of every parameter we read, by our parameter name (a split tensor's
+    parts each have its type)."""
+    config, arch = config_from_gguf(reader)
+    return {name: t.tensor_type.name for t in reader.tensors for name, _, _ in torch_parts(t.name, config, arch)}
 
 
 def check_reader(reader: Any) -> tuple[ModelConfig, str]:
@@ -230,16 +315,18 @@ def read_stored_blocks(path: str | Path) -> dict[str, StoredBlocks]:
     config, arch = check_reader(reader)
     found: dict[str, StoredBlocks] = {}
     for tensor in reader.tensors:
-        name = torch_name(tensor.name)
         kind = BLOCK_TYPES.get(tensor.tensor_type.name)
-        if name is None or kind is None or not name.endswith(".weight"):
+        parts = torch_parts(tensor.name, config, arch)
+        if kind is None or not parts or not parts[0][0].endswith(".weight"):
             continue
-        if name in ("lm_head.weight", "embed_tokens.weight") and kind.name == "Q8_0":
-            continue  # the int formats' Q8_0 head recovers these codes from the float values
-        blocks = kind.stored(np.asarray(tensor.data), int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1)
-        if arch in PERMUTED_ARCHITECTURES and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
-            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
-            order = torch.from_numpy(unpermute_llama_rope(np.arange(blocks.codes.shape[0]), heads))
-            blocks = blocks.rows(order)
-        found[name] = blocks
+        whole = kind.stored(np.asarray(tensor.data), int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1)
+        for name, start, stop in parts:
+            if name in ("lm_head.weight", "embed_tokens.weight") and kind.name == "Q8_0":
+                continue  # the int formats' Q8_0 head recovers these codes from the float values
+            blocks = whole if stop < 0 else whole.rows(torch.arange(start, stop))
+            if arch in PERMUTED_ARCHITECTURES and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+                heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+                order = torch.from_numpy(unpermute_llama_rope(np.arange(blocks.codes.shape[0]), heads))
+                blocks = blocks.rows(order)
+            found[name] = blocks
     return found

@@ -76,7 +76,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressCallback |
 
     import gguf
 
-    from treeserve.ops.loaders.gguf import GGUFFormatError, check_reader, read_gguf_reader, tensor_types, torch_name
+    from treeserve.ops.loaders.gguf import GGUFFormatError, check_reader, parameter_types, read_gguf_reader
     from treeserve.ops.tokenizer import TokenizerError
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -91,7 +91,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressCallback |
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:
         save_file(model.state_dict, str(tmp / WEIGHTS_FILE))
-        types = {torch_name(name): kind for name, kind in tensor_types(reader).items()}
+        types = parameter_types(reader)
         meta = {"format_version": CONVERTED_FORMAT_VERSION, "architecture": model.architecture,
                 "source": str(gguf_path), "config": asdict(model.config), "tensor_types": types}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")

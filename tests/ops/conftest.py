@@ -145,6 +145,8 @@ GGUF_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "attn_out_norm.weight": "post_attention_norm.weight",
+    "mlp_out_norm.weight": "post_ffw_norm.weight",
 }
 
 def gguf_name(name: str) -> str:
@@ -161,8 +163,11 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
 
     Q/K are permuted for llama; ``ffn_down`` is stored as Q8_0, so the expected model holds the
     dequantized value of that tensor. A model with ``rope_factors`` gets them as the
-    ``rope_freqs`` tensor (as Llama 3.1's converter writes them). ``tokenizer(writer)`` writes
-    the tokenizer's fields instead of ``backend``'s byte-level BPE (with the bos/eos ids 1 and 2).
+    ``rope_freqs`` tensor (as Llama 3.1's converter writes them), or for gemma3 as a linear
+    scaling (the same factor everywhere). phi3 stores Q/K/V as one ``attn_qkv`` and gate/up as one
+    ``ffn_up``; gemma3 writes its sliding window, its windowed layers and their rope base.
+    ``tokenizer(writer)`` writes the tokenizer's fields instead of ``backend``'s byte-level BPE
+    (with the bos/eos ids 1 and 2).
     """
     import gguf
 
@@ -176,6 +181,18 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.head_dim != cfg.dim // cfg.num_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if cfg.sliding_window is not None:
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.window_layers is not None:
+            writer.add_sliding_window_pattern(list(cfg.window_layers))
+    if cfg.rope_base_local is not None:
+        writer.add_rope_freq_base_swa(cfg.rope_base_local)
+    if arch == "gemma3" and cfg.rope_factors is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_factors[0])
     if tokenizer is not None:
         tokenizer(writer)
     else:
@@ -189,7 +206,17 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
     writer.add_eos_token_id(2)
     writer.add_chat_template(template)
     expected = {}
-    for name, tensor in model.state_dict().items():
+    state = dict(model.state_dict())
+    if arch == "phi3":  # one attn_qkv and one ffn_up a layer, split again when read
+        for i in range(cfg.num_layers):
+            for fused, parts in (("self_attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj"))):
+                weights = [state.pop(f"layers.{i}.{part}.weight") for part in parts]
+                stored = torch.cat(weights).numpy().astype(np.float32)
+                writer.add_tensor(f"blk.{i}.{'attn_qkv' if fused == 'self_attn.qkv' else 'ffn_up'}.weight", stored)
+                for part, weight in zip(parts, weights):
+                    expected[f"layers.{i}.{part}.weight"] = weight.clone()
+    for name, tensor in state.items():
         array = tensor.numpy().astype(np.float32)
         stored = array
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
@@ -202,7 +229,7 @@ def write_gguf(path: Path, model: Transformer, arch: str, backend: Any, template
         else:
             writer.add_tensor(gguf_name(name), stored)
         expected[name] = torch.from_numpy(np.ascontiguousarray(array))
-    if cfg.rope_factors is not None:
+    if cfg.rope_factors is not None and arch != "gemma3":
         writer.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,6 +1,7 @@
 """treeserve against llama.cpp on GGUFs of every block type: a small random-weight llama model
 written by the gguf package and requantized by llama.cpp into eight file types
-(``bench/gguf_fixtures.py``), with llama.cpp's own logits on 160 tokens saved beside each file.
+(``bench/gguf_fixtures.py``), and models of the other architectures (llama3, qwen2, qwen3, phi3,
+gemma3), with llama.cpp's own logits on 160 tokens saved beside each file.
 
 Served as stored (``auto``: the gguf format, each tensor on its own kernel), each file's logits
 stay within a tolerance of llama.cpp's (stated per file type below) and its top-1 agrees at 99%
@@ -105,11 +106,31 @@ def test_llama3_rope_scaling_gives_llama_cpps_logits(tmp_path: Path) -> None:
     assert plain_error > 2 * TOLERANCE["Q8_0"] and plain_agree < agree, (plain_error, plain_agree)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: str, tmp_path: Path) -> None:
-    """qwen2 (Q/K/V biases, an untied head) and qwen3 (per-head Q/K norms), Q4_K_M: served on the
-    one-op forward, which adds the biases and norms the heads as the eager step does, with
-    llama.cpp's logits and one answer per row; the op with those weights changed strays."""
+def _stray(model: torch.nn.Module, arch: str) -> None:
+    """Change, in ``model``, what ``arch`` adds to llama (a wrong implementation of it)."""
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        if arch == "qwen2":
+            attn.qkv_proj.bias.zero_()
+        elif arch == "qwen3":
+            attn.q_norm.weight.fill_(1.0)
+        elif arch == "phi3":  # gate and up read the other way round from the fused ffn_up
+            blocks = model.layers[0].mlp.gate_up_proj
+            for name in ("c8_codes", "c8_scales", "c8_zeros", "amx_codes", "amx_scales_zeros"):
+                buffer = getattr(blocks, name, None)
+                if isinstance(buffer, torch.Tensor) and buffer.dim() > 0 and buffer.shape[0] % 2 == 0:
+                    buffer.copy_(torch.cat(buffer.chunk(2)[::-1]))
+        else:  # gemma3 with no sliding window: every layer global
+            model.config = dataclasses.replace(model.config, sliding_window=None, window_layers=None)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma3"])
+def test_other_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: str, tmp_path: Path) -> None:
+    """qwen2 (Q/K/V biases, an untied head), qwen3 (per-head Q/K norms), phi3 (Q/K/V and gate/up
+    each one tensor in the file) and gemma3 (a sliding window of 24 keys on one layer, each
+    layer kind with its rope, output norms, GELU, scaled embeddings), Q4_K_M: served on the
+    one-op forward, which does each of these as the eager forward does, with llama.cpp's logits
+    and one answer per row (a window crossed many times); the op with that part changed strays."""
     if not codes8.available():
         pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
     from treeserve.ops.decode_step import DecodeStep
@@ -124,16 +145,13 @@ def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: 
     if not isinstance(step, DecodeStep) or not step.is_fused:
         pytest.skip("the one-op forward needs AVX2, FMA and F16C and a C++ compiler")
     config = model.config
-    assert (config.qkv_bias, config.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
+    assert (config.qkv_bias, config.qk_norm) == {"qwen2": (True, False), "phi3": (False, False)}.get(arch, (False, True))
+    if arch == "gemma3":
+        assert (config.sliding_window, config.window_layers, config.activation) == (24, (True, False), "gelu_tanh")
     error, agree = compare(logits_on_tokens(model), info["file"])
     assert error <= TOLERANCE["Q4_K_M"] and agree >= 0.99, (error, agree)
     assert row_invariance.failures(model, META["tokens"][:150], other_prompts(META["vocab_size"])) == []
-    attn = model.layers[0].self_attn
-    with torch.no_grad():
-        if arch == "qwen2":
-            attn.qkv_proj.bias.zero_()
-        else:
-            attn.q_norm.weight.fill_(1.0)
+    _stray(model, arch)
     changed = DecodeStep(model)
     assert changed.fuse()
     model.decode_step = changed
@@ -142,7 +160,29 @@ def test_qwen_architectures_run_the_one_op_forward_with_llama_cpps_logits(arch: 
 
 
 ARCH_FILES = {"llama": "tiny-llama-Q4_K_M.gguf", "llama3": META["llama3"]["file"], "qwen2": META["qwen2"]["file"],
-              "qwen3": META["qwen3"]["file"]}
+              "qwen3": META["qwen3"]["file"], "phi3": META["phi3"]["file"], "gemma3": META["gemma3"]["file"]}
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma3"])
+def test_phi3_and_gemma3_in_float32_give_llama_cpps_logits(arch: str, tmp_path: Path) -> None:
+    """The eager forward (float32, the file's weights dequantized) of phi3 and gemma3 within the
+    tolerance of llama.cpp; gemma3 without its window, or with the global layers' rope on every
+    layer, strays far from it."""
+    from treeserve.ops.loaders.load import load_model
+
+    info = META[arch]
+    model = load_model(DATA / info["file"], weight_format="float32", cache_dir=tmp_path, compile_decode=False).model
+    error, agree = compare(logits_on_tokens(model), info["file"])
+    assert error <= TOLERANCE["Q4_K_M"] and agree >= 0.99, (error, agree)
+    if arch == "gemma3":
+        config = model.config
+        for wrong in (dataclasses.replace(config, sliding_window=None, window_layers=None),
+                      dataclasses.replace(config, rope_base_local=None),
+                      dataclasses.replace(config, sliding_window=25)):
+            model.config = wrong
+            model.set_rope_tables()
+            strayed, _ = compare(logits_on_tokens(model), info["file"])
+            assert strayed > 2 * error, (wrong, strayed, error)
 
 
 @pytest.mark.parametrize("weight_format", ["float32", "auto"])
@@ -172,10 +212,15 @@ def test_greedy_tree_speculation_equals_incremental_decoding(arch: str, weight_f
     assert result.mean_accepted_per_step > 0.0
 
 
-@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece"])
+BPE_PRE_KINDS = ("bpe_smollm", "bpe_llama-bpe", "bpe_qwen2")
+"""One vocabulary whose merges cross every split, under three pre-tokenizers (``bench/gguf_fixtures.py``)."""
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "sentencepiece", "sentencepiece_no_prefix", *BPE_PRE_KINDS])
 def test_tokenizers_give_llama_cpps_ids(kind: str, tmp_path: Path) -> None:
-    """Each GGUF tokenizer kind (byte-level BPE with the smollm pre-tokenizer; SentencePiece with
-    scores and byte fallback) gives llama.cpp's own ids on texts with Unicode, digits, code, runs
+    """Each GGUF tokenizer kind (byte-level BPE with the smollm, llama-bpe and qwen2
+    pre-tokenizers; SentencePiece with scores and byte fallback, with a space prefix as Llama 2's
+    or without as Gemma's) gives llama.cpp's own ids on texts with Unicode, digits, code, runs
     of whitespace, characters outside the vocabulary and special-token text, decodes back, and
     does the same once saved with a converted model and read back."""
     from treeserve.ops.tokenizer import Tokenizer
@@ -207,3 +252,12 @@ def test_a_sentencepiece_tokenizer_with_its_scores_reversed_differs() -> None:
     Reversed.fields["tokenizer.ggml.scores"] = type("F", (), {"contents": lambda self: [-v for v in scores.contents()]})()
     tokenizer = Tokenizer.from_gguf_reader(Reversed())
     assert any(tokenizer.encode(t, add_bos=False) != ids for t, ids in zip(info["texts"], info["ids"]))
+
+
+def test_the_pre_tokenizer_fixtures_tell_the_pre_tokenizers_apart() -> None:
+    """The pre-tokenizer check can fail: on the same vocabulary llama.cpp's ids differ between
+    each two of smollm, llama-bpe and qwen2 on some text (digits, contractions, whitespace), so
+    a tokenizer that read one pre-tokenizer as another would miss the other's ids."""
+    for i, first in enumerate(BPE_PRE_KINDS):
+        for second in BPE_PRE_KINDS[i + 1:]:
+            assert META[first]["ids"] != META[second]["ids"], (first, second)

@@ -77,9 +77,11 @@ def test_incremental_detokenizer_never_splits_characters(tiny_bpe_backend) -> No
     assert any("\ufffd" in piece for piece in naive)
 
 
-def _retyped_gguf(source: Path, target: Path, *, arch: str | None = None, q2k_tensor: str | None = None) -> None:
-    """A copy of ``source`` under another architecture name, or with one tensor stored as Q2_K
-    (random bytes: a block type treeserve does not read)."""
+def _retyped_gguf(source: Path, target: Path, *, arch: str | None = None, q2k_tensor: str | None = None,
+                  rotary: int | None = None) -> None:
+    """A copy of ``source`` under another architecture name, with one tensor stored as Q2_K
+    (random bytes: a block type treeserve does not read), or with rope over ``rotary`` of each
+    head's dimensions."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
@@ -96,6 +98,8 @@ def _retyped_gguf(source: Path, target: Path, *, arch: str | None = None, q2k_te
             writer.add_array(name, value)
         else:
             writer.add_key_value(name, value, kind)
+    if rotary is not None:
+        writer.add_rope_dimension_count(rotary)
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if tensor.name == q2k_tensor:
@@ -111,7 +115,7 @@ def _retyped_gguf(source: Path, target: Path, *, arch: str | None = None, q2k_te
     writer.close()
 
 
-@pytest.mark.parametrize("change", ["arch", "block_type"])
+@pytest.mark.parametrize("change", ["arch", "block_type", "partial_rotary"])
 def test_unsupported_ggufs_fail_in_one_line_before_converting(
     tmp_path: Path, tiny_model_factory, tiny_bpe_backend, write_tiny_gguf, capsys, change: str
 ) -> None:
@@ -128,6 +132,9 @@ def test_unsupported_ggufs_fail_in_one_line_before_converting(
     if change == "arch":
         _retyped_gguf(good, bad, arch="gemma9")
         expected = r"unsupported GGUF architecture 'gemma9'; supported: llama, qwen2, qwen3"
+    elif change == "partial_rotary":  # as Phi-4-mini's: refused, not served with a whole-head rope
+        _retyped_gguf(good, bad, rotary=4)
+        expected = r"GGUF rope over 4 of each head's 8 dimensions \(partial rotary\) is not supported"
     else:
         _retyped_gguf(good, bad, q2k_tensor="blk.0.ffn_down.weight")
         expected = r"tensor blk\.0\.ffn_down\.weight is stored as Q2_K.*supported block types: F32, F16, BF16, Q4_0"

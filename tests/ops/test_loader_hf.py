@@ -40,8 +40,27 @@ def write_hf_folder(folder: Path, model: Transformer, backend, template: str, mo
     }
     if model_type == "llama":
         config["attention_bias"] = cfg.qkv_bias
+    if cfg.sliding_window is not None:  # as transformers 5 writes them
+        config["sliding_window"] = cfg.sliding_window
+        if cfg.window_layers is not None:
+            config["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.window_layers]
+    state = dict(model.state_dict())
+    if model_type == "gemma3_text":  # HF's names and 1 + weight norms; rope per layer type
+        config.update(head_dim=cfg.head_dim, query_pre_attn_scalar=cfg.head_dim, hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_base},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local}})
+        renamed = {"attn_out_norm": "post_attention_layernorm", "post_attention_layernorm": "pre_feedforward_layernorm",
+                   "mlp_out_norm": "post_feedforward_layernorm"}
+        state = {".".join(renamed.get(part, part) for part in k.split(".")): v - 1.0 if k.endswith("norm.weight") else v
+                 for k, v in state.items()}
+    if model_type == "phi3":  # one qkv_proj and one gate_up_proj a layer
+        for i in range(cfg.num_layers):
+            state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [state.pop(f"layers.{i}.self_attn.{n}_proj.weight") for n in "qkv"])
+            state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [state.pop(f"layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up")])
     (folder / "config.json").write_text(json.dumps(config))
-    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous() for k, v in state.items()}
     half = len(state) // 2  # two shards, like real checkpoints
     names = sorted(state)
     save_file({n: state[n] for n in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
@@ -52,8 +71,12 @@ def write_hf_folder(folder: Path, model: Transformer, backend, template: str, mo
 
 
 @pytest.mark.parametrize(
-    ("model_type", "overrides"), [("llama", {}), ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),
-                                  ("qwen3", {"qk_norm": True})]
+    ("model_type", "overrides"), [
+        ("llama", {}), ("qwen2", {"qkv_bias": True, "tie_embeddings": False}), ("qwen3", {"qk_norm": True}),
+        ("mistral", {"sliding_window": 3}), ("phi3", {"sliding_window": 4}),
+        ("gemma3_text", {"qk_norm": True, "sliding_window": 3, "window_layers": (True, True, False), "rope_base": 1e6,
+                         "rope_base_local": 10000.0, "activation": "gelu_tanh", "post_norms": True,
+                         "embed_scale": 48 ** 0.5})]
 )
 def test_hf_folder_round_trip(tmp_path, tiny_model_factory, tiny_bpe_backend, chatml_template, model_type, overrides) -> None:
     source = tiny_model_factory(seed=5, vocab_size=tiny_bpe_backend.get_vocab_size(), **overrides)
@@ -61,7 +84,7 @@ def test_hf_folder_round_trip(tmp_path, tiny_model_factory, tiny_bpe_backend, ch
     write_hf_folder(folder, source, tiny_bpe_backend, chatml_template, model_type)
     loaded = load_model(folder, cache_dir=tmp_path / "cache")
     assert loaded.config == source.config and not loaded.was_converted
-    tokens = [4, 90, 17, 250, 3]
+    tokens = [4, 90, 17, 250, 3, 8, 77, 12]  # longer than every window
     assert torch.equal(logits_of(loaded.model, tokens), logits_of(source, tokens))
     tok = loaded.tokenizer
     assert (tok.bos_id, tok.eos_id) == (1, 2)

@@ -52,8 +52,13 @@ def prefill(model: Transformer, cache: KVCache, prefixes: list[torch.Tensor]) ->
         cache.commit(row, range(prefix.numel()))
 
 
+GEMMA3 = {"qk_norm": True, "sliding_window": 4, "window_layers": (True, False, True), "rope_base_local": 500.0,
+          "post_norms": True, "activation": "gelu_tanh", "embed_scale": 2.0, "attn_scale": 0.3}
+"""Gemma 3's parts on the tiny model: a window of 4 keys (shorter than the prefixes and trees)."""
+
+
 @pytest.mark.parametrize("shape", [CHAIN, WIDE, MIXED], ids=["chain", "wide", "mixed"])
-@pytest.mark.parametrize("variant", [{}, {"qkv_bias": True, "tie_embeddings": False}], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("variant", [{}, {"qkv_bias": True, "tie_embeddings": False}, GEMMA3], ids=["llama", "qwen2", "gemma3"])
 def test_tree_pass_equals_separate_path_passes(tiny_model_factory: Callable[..., Transformer], shape: list[int], variant: dict) -> None:
     model = tiny_model_factory(seed=1, **variant)
     gen = torch.Generator().manual_seed(7)

@@ -47,7 +47,7 @@ class ThreadAllReduce:
         return all_reduce
 
 
-def run_threaded(world_size: int, *, break_reduce: bool = False) -> torch.Tensor:
+def run_threaded(world_size: int, *, break_reduce: bool = False, **overrides: object) -> torch.Tensor:
     reducer = ThreadAllReduce(world_size)
     results: dict[int, torch.Tensor] = {}
     errors: list[BaseException] = []
@@ -58,7 +58,7 @@ def run_threaded(world_size: int, *, break_reduce: bool = False) -> torch.Tensor
             if break_reduce:  # a deliberately wrong all-reduce: keeps only the local partial sum
                 def reduce(tensor: torch.Tensor, _r=reduce) -> None:
                     pass
-            model = apply_tp(worker.build_model(), rank, world_size, reduce)
+            model = apply_tp(worker.build_model(**overrides), rank, world_size, reduce)
             results[rank] = worker.run(model)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
@@ -80,10 +80,11 @@ def test_split_sizes_cover_total() -> None:
     assert sum(split_sizes(10, 3)) == 10
 
 
+@pytest.mark.parametrize("variant", [{}, worker.GEMMA3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_threaded_tp_equals_unsharded(world_size: int) -> None:
-    reference = worker.run(worker.build_model())
-    sharded = run_threaded(world_size)
+def test_threaded_tp_equals_unsharded(world_size: int, variant: dict) -> None:
+    reference = worker.run(worker.build_model(**variant))
+    sharded = run_threaded(world_size, **variant)
     assert (sharded - reference).abs().max().item() <= 1e-4
 
 

@@ -142,3 +142,30 @@ def importlib_find(name: str):  # type: ignore[no-untyped-def]
     import importlib.util
 
     return importlib.util.find_spec(name)
+
+
+def test_window_mask_keeps_the_last_window_keys_of_each_token() -> None:
+    """A key at position ``k`` is within the window of a token at position ``p`` iff
+    ``p - w < k <= p``... for committed slots (slot = position) and tree slots (their
+    depth-based positions), against a loop over every (token, slot)."""
+    from treeserve.ops.tree_attention import build_attention_mask, tree_mask_from_parents, window_mask
+
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, -1, 1, 2, 0]])
+    tree = tree_mask_from_parents(parents)
+    lengths = torch.tensor([6, 2])
+    positions = lengths[:, None] + tree.sum(-1) - 1
+    slots = int(lengths.max()) + 5
+    for window in (1, 3, 5):
+        got = (build_attention_mask(lengths, tree, 5, slots) & window_mask(lengths, positions, slots, window))[:, 0]
+        for b in range(2):
+            for t in range(5):
+                for slot in range(slots):
+                    s_new = slot - int(lengths[b])
+                    if slot < lengths[b]:
+                        visible, key = True, slot
+                    elif s_new < 5:
+                        visible, key = bool(tree[b, t, s_new]), int(positions[b, s_new])
+                    else:
+                        visible, key = False, 0
+                    expected = visible and int(positions[b, t]) - key < window
+                    assert bool(got[b, t, slot]) == expected, (window, b, t, slot)

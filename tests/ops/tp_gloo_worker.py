@@ -17,10 +17,16 @@ CONFIG = dict(vocab_size=64, dim=48, num_layers=2, num_heads=6, num_kv_heads=3, 
 PARENTS = [-1, 0, 0, 1, 1, 2, 5]
 
 
-def build_model(seed: int = 0) -> Transformer:
+GEMMA3 = dict(qk_norm=True, sliding_window=3, window_layers=(True, False), rope_base_local=500.0, post_norms=True,
+              activation="gelu_tanh", embed_scale=2.0)
+"""Gemma 3's parts: a window of 3 keys on the first layer (shorter than the prompt), output norms
+after each all-reduced product."""
+
+
+def build_model(seed: int = 0, **overrides: object) -> Transformer:
     """The tiny random model every rank (and the unsharded reference) builds identically."""
     gen = torch.Generator().manual_seed(seed)
-    model = Transformer(ModelConfig(**CONFIG))
+    model = Transformer(ModelConfig(**{**CONFIG, **overrides}))  # type: ignore[arg-type]
     with torch.no_grad():
         for name, param in model.named_parameters():
             base, scale = (1.0, 0.5) if "norm" in name else (0.0, 0.2)
