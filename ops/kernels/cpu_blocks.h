@@ -42,11 +42,14 @@ inline void over_row_chunks(int64_t M, Body body) {
 }
 
 // The arguments of an 8-bit-code product, q8g_mm (q4_amx.cpp and q_avx2.cpp build one each, see
-// kernels/codes8.py), checked for ``op``: bf16 rows x (M, K), the packed int8 codes of an
-// (N, K) weight, float32 scales per 16 or 32 weights, float32 zeros per 32 or none.
+// kernels/codes8.py), checked for ``op``: bf16 rows x (M, K), the packed codes of an (N, K)
+// weight (int8, a byte each; or five bits each, int8 or uint8: codes5.h), float32 scales per 16
+// or 32 weights, float32 zeros per 32 or none.
 struct Codes8Layout {
   bool halves;      // scales per 16 weights (else per 32)
   bool with_zeros;  // a zero per 32 weights
+  bool five_bits;   // codes packed at five bits (codes5.h), else one byte each
+  int8_t offset;    // five bits: what a field less is its code (16 for int8 codes, 0 for uint8)
 };
 
 constexpr int64_t kCodes8Bytes = 8 * 16 * 4;  // the codes of one group of 32 k for one 16-column block
@@ -66,7 +69,9 @@ inline Codes8Layout check_codes8(const char* op, const at::Tensor& x, const at::
                                  const at::Tensor& zeros, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be 2-D bfloat16");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && codes.numel() == N * K && codes.scalar_type() == at::kChar &&
+  const bool five_bits = codes.numel() * 8 == N * K * 5;
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && (codes.numel() == N * K || five_bits) &&
+                  (codes.scalar_type() == at::kChar || (five_bits && codes.scalar_type() == at::kByte)) &&
                   codes.is_contiguous() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   zeros.scalar_type() == at::kFloat && zeros.is_contiguous(),
               op, ": the packing does not fit x");
@@ -74,7 +79,7 @@ inline Codes8Layout check_codes8(const char* op, const at::Tensor& x, const at::
   TORCH_CHECK(halves || scales.numel() * 32 == N * K, op, ": scales must be per 32 or per 16 weights");
   const bool with_zeros = zeros.numel() != 0;
   TORCH_CHECK(!with_zeros || zeros.numel() * 32 == N * K, op, ": zeros must be per 32 weights");
-  return {halves, with_zeros};
+  return {halves, with_zeros, five_bits, static_cast<int8_t>(codes.scalar_type() == at::kChar ? 16 : 0)};
 }
 
 }  // namespace treeserve_cpu

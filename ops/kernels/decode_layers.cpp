@@ -6,7 +6,7 @@
 // halves, folded and summed alike).
 // treeserve_layers::run(h, positions, tree_mask, lengths, keys, values, rope_cos, rope_sin,
 //                       rope_cos_local, rope_sin_local, weights, windows, num_heads,
-//                       num_kv_heads, eps, kernel, activation, attn_scale) -> hidden
+//                       num_kv_heads, ffn, eps, kernel, activation, attn_scale) -> hidden
 //
 // Why one op: at one row the compiled step's own work is about 4.5 ms, but the step took about
 // 6.5. Its Python wrapper makes ~330 calls (a fused elementwise kernel or an extern op each,
@@ -623,7 +623,8 @@ using Codes8Fn = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at
 // the 8-bit codes' (scales float32), on this CPU's kernel of that kind.
 at::Tensor linear(int64_t kernel, const at::Tensor& x, const at::Tensor* w, int64_t out_features) {
   if (w[1].scalar_type() == at::kBFloat16) return q4_mm(kernel, x, w[0], w[1], out_features);
-  TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[0].numel() == out_features * x.size(1),
+  TORCH_CHECK(w[1].scalar_type() == at::kFloat &&
+                  (w[0].numel() == out_features * x.size(1) || w[0].numel() * 8 == out_features * x.size(1) * 5),
               "treeserve_layers::run: a linear's weights must be the 4-bit or the 8-bit codes' packing");
   static Codes8Fn avx2 = c10::Dispatcher::singleton().findSchemaOrThrow("treeserve_avx2::q8g_mm", "").typed<
       at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>();
@@ -636,8 +637,8 @@ at::Tensor linear(int64_t kernel, const at::Tensor& x, const at::Tensor* w, int6
 at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at::Tensor& tree_mask_in,
                const at::Tensor& lengths_in, at::TensorList keys, at::TensorList values, const at::Tensor& rope_cos,
                const at::Tensor& rope_sin, const at::Tensor& rope_cos_local, const at::Tensor& rope_sin_local,
-               at::TensorList weights, at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads, double eps,
-               int64_t kernel, int64_t activation, double attn_scale) {
+               at::TensorList weights, at::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads, int64_t ffn,
+               double eps, int64_t kernel, int64_t activation, double attn_scale) {
   static auto write_kv = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("treeserve_attn::write_kv", "")
                              .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -652,6 +653,7 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
               "treeserve_layers::run: ", kWeightsPerLayer, " weights a layer and the final norm's, per cache layer");
   const int64_t B = h_in.size(0), T = h_in.size(1), D = h_in.size(2), rows = B * T;
   TORCH_CHECK(D % 32 == 0, "treeserve_layers::run: the model's width must be a multiple of 32");
+  TORCH_CHECK(ffn > 0 && ffn % 16 == 0, "treeserve_layers::run: the MLP's width must be a positive multiple of 16");
   TORCH_CHECK(num_layers > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kMaxGroup,
               "treeserve_layers::run: at most ", kMaxGroup, " query heads per KV head");
   const int64_t hd = keys[0].size(3), capacity = keys[0].size(2);
@@ -707,7 +709,7 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
       TORCH_CHECK(w[i].numel() == 0 || (w[i].scalar_type() == at::kFloat && w[i].numel() == D),
                   "treeserve_layers::run: the output norms' weights must be (D,) float32, or empty");
     TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[10].scalar_type() == at::kFloat && w[0].numel() == D &&
-                    w[10].numel() == D && w[11].numel() % (2 * D) == 0,
+                    w[10].numel() == D,
                 "treeserve_layers::run: the norms' weights must be (D,) float32");
     const bool head_normed = w[5].numel() != 0;
     TORCH_CHECK(!head_normed || (w[5].scalar_type() == at::kFloat && w[6].scalar_type() == at::kFloat &&
@@ -741,7 +743,6 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
                                      reinterpret_cast<bf16*>(o.data_ptr()));
     add_into(hp, reinterpret_cast<const bf16*>(o.data_ptr()), rows * D);
     rms_norm(hp, w[10].data_ptr<float>(), rows, D, eps, xp);
-    const int64_t ffn = w[11].numel() * (w[12].scalar_type() == at::kBFloat16 ? 2 : 1) / (2 * D);  // gate_up's codes
     const at::Tensor gate_up = linear(kernel, x, w + 11, 2 * ffn);
     at::Tensor act = at::empty({rows, ffn}, h.options());
     act_mul(reinterpret_cast<const bf16*>(gate_up.data_ptr()), rows, ffn, activation == 1,
@@ -764,7 +765,8 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
 TORCH_LIBRARY(treeserve_layers, m) {
   m.def("run(Tensor h, Tensor positions, Tensor tree_mask, Tensor lengths, Tensor(a!)[] keys, Tensor(b!)[] values, "
         "Tensor rope_cos, Tensor rope_sin, Tensor rope_cos_local, Tensor rope_sin_local, Tensor[] weights, "
-        "int[] windows, int num_heads, int num_kv_heads, float eps, int kernel, int activation, float attn_scale) -> Tensor");
+        "int[] windows, int num_heads, int num_kv_heads, int ffn, float eps, int kernel, int activation, float attn_scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treeserve_layers, CPU, m) { m.impl("run", run); }

@@ -162,7 +162,7 @@ def run(model: torch.nn.Module, weight_list: list[Tensor], h: Tensor, positions:
     windows = [config.window(i) or 0 for i in range(config.num_layers)]
     out: Tensor = torch.ops.treeserve_layers.run(
         h, positions, mask, lengths, keys, values, model.rope_cos, model.rope_sin, *local, weight_list,  # type: ignore[attr-defined]
-        windows, config.num_heads, config.num_kv_heads, float(config.norm_eps), kernel,
+        windows, config.num_heads, config.num_kv_heads, config.ffn_dim, float(config.norm_eps), kernel,
         ACTIVATIONS.index(config.activation), float(config.attn_scale or 0.0))
     return out
 

@@ -45,6 +45,7 @@
 #include <type_traits>
 
 #include "amx_tiles.h"
+#include "codes5.h"
 #include "simd16.h"  // its eight-lane pieces (group_sums) and its AVX-512 bf16 store (codes8)
 
 namespace {
@@ -467,25 +468,43 @@ void codes8_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* xq, float* d, 
   free(c8);
 }
 
+// offset >= 0: the codes are packed at five bits (codes5.h; offset: what a field less is its
+// code): each 16-column block's groups are widened to int8 codes once, and that block runs as the
+// first of a one-block weight (its scales, zeros and output columns offset alike), so a packed
+// weight gives the bits of its 8-bit layout.
 template <bool kHalves, bool kZeros>
 void codes8_gemm(const int8_t* xq, const float* d, const int32_t* bias, const float* xs, int64_t M, int64_t K,
-                 int64_t N, const int8_t* codes, const float* scales, const float* zeros, void* y, bool float_out) {
-  const int64_t G = K / 32;
+                 int64_t N, const int8_t* codes, const float* scales, const float* zeros, void* y, bool float_out,
+                 int offset) {
+  const int64_t G = K / 32, scale_floats = kHalves ? 32 : 16;
   const int64_t out_bytes = float_out ? 4 : 2;
-  over_blocks(N / 16, [&](int64_t begin, int64_t end) {
+  const auto blocks = [&](const int8_t* c, const float* s, const float* z, char* out, int64_t begin, int64_t end) {
     over_row_chunks<kCodes8Rows>(M, [&](auto rows, int64_t m) {
       codes8_blocks<decltype(rows)::value, kHalves, kZeros>(xq + m * K, d + m * G, bias + m * G * 2, xs + m * G, K, N,
-                                                            codes, scales, zeros,
-                                                            static_cast<char*>(y) + m * N * out_bytes, float_out,
-                                                            begin, end);
+                                                            c, s, z, out + m * N * out_bytes, float_out, begin, end);
     });
+  };
+  over_blocks(N / 16, [&](int64_t begin, int64_t end) {
+    if (offset < 0) return blocks(codes, scales, zeros, static_cast<char*>(y), begin, end);
+    // Up to a chunk of rows: block by block, each widened into L1 just before its products.
+    // More rows: the thread's blocks widened at once (into L2), then the products as for a
+    // byte-a-code weight, each row chunk reading them from there.
+    const int64_t span = M <= kCodes8Rows ? 1 : end - begin;
+    int8_t* wide = treeserve_cpu::wide_buffer(span * G * kCodes8Bytes);
+    for (int64_t nb = begin; nb < end; nb += span) {
+      const int64_t n = std::min(span, end - nb);
+      treeserve_cpu::unpack_codes5(reinterpret_cast<const uint8_t*>(codes) + nb * G * treeserve_cpu::kCodes5Bytes, n * G,
+                                   static_cast<int8_t>(offset), wide);
+      blocks(wide, scales + nb * G * scale_floats, zeros ? zeros + nb * G * 16 : nullptr, static_cast<char*>(y) + nb * 16 * out_bytes, 0, n);
+    }
   });
 }
 
 at::Tensor q8g_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                   int64_t out_features, bool float_out) {
   TORCH_CHECK(treeserve_amx::has_vnni, "treeserve_q4::q8g_mm needs AVX512-VNNI, which this CPU lacks");
-  const auto [halves, with_zeros] = treeserve_cpu::check_codes8("treeserve_q4::q8g_mm", x, codes, scales, zeros, out_features);
+  const auto [halves, with_zeros, five_bits, offset] =
+      treeserve_cpu::check_codes8("treeserve_q4::q8g_mm", x, codes, scales, zeros, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, G = K / 32;
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
@@ -495,13 +514,14 @@ at::Tensor q8g_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   float *d = f, *xs = f + M * G;
   int32_t* bias = reinterpret_cast<int32_t*>(f + 2 * M * G);
   codes8_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, xq, d, xs, bias);
-  const auto* cp = codes.data_ptr<int8_t>();
+  const auto* cp = static_cast<const int8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* zp = with_zeros ? zeros.data_ptr<float>() : nullptr;
-  if (halves && with_zeros) codes8_gemm<true, true>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out);
-  else if (halves) codes8_gemm<true, false>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out);
-  else if (with_zeros) codes8_gemm<false, true>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out);
-  else codes8_gemm<false, false>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out);
+  const int off = five_bits ? offset : -1;
+  if (halves && with_zeros) codes8_gemm<true, true>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out, off);
+  else if (halves) codes8_gemm<true, false>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out, off);
+  else if (with_zeros) codes8_gemm<false, true>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out, off);
+  else codes8_gemm<false, false>(xq, d, bias, xs, M, K, N, cp, sp, zp, y.data_ptr(), float_out, off);
   free(xq);
   free(f);
   return y;

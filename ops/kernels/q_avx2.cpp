@@ -50,6 +50,7 @@
 #include <type_traits>
 
 #include "cpu_blocks.h"
+#include "codes5.h"
 #include "simd16.h"  // its AVX2 backend: this file is built without AVX-512
 
 namespace {
@@ -470,7 +471,8 @@ void codes8_blocks(const int8_t* xq, const float* d, const float* xs, int64_t M,
 
 at::Tensor q8g_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                   int64_t out_features, bool float_out) {
-  const auto [halves, with_zeros] = treeserve_cpu::check_codes8("treeserve_avx2::q8g_mm", x, codes, scales, zeros, out_features);
+  const auto [halves, with_zeros, five_bits, offset] =
+      treeserve_cpu::check_codes8("treeserve_avx2::q8g_mm", x, codes, scales, zeros, out_features);
   const int64_t M = x.size(0), K = x.size(1), N = out_features, G = K / 32;
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
@@ -488,15 +490,31 @@ at::Tensor q8g_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     if (!std::isfinite(xs[i])) d[i] = std::numeric_limits<float>::quiet_NaN();
     xs[i] = c8[i] * -0.125f;
   }
-  const auto* cp = codes.data_ptr<int8_t>();
+  const auto* cp = static_cast<const int8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* zp = with_zeros ? zeros.data_ptr<float>() : nullptr;
-  void* yp = y.data_ptr();
+  const auto blocks = [&](const int8_t* c, const float* s, const float* z, void* out, int64_t begin, int64_t end) {
+    if (halves && with_zeros) codes8_blocks<true, true>(xq, d, xs, M, K, N, c, s, z, out, float_out, begin, end);
+    else if (halves) codes8_blocks<true, false>(xq, d, xs, M, K, N, c, s, z, out, float_out, begin, end);
+    else if (with_zeros) codes8_blocks<false, true>(xq, d, xs, M, K, N, c, s, z, out, float_out, begin, end);
+    else codes8_blocks<false, false>(xq, d, xs, M, K, N, c, s, z, out, float_out, begin, end);
+  };
   over_blocks(N / 16, [&](int64_t begin, int64_t end) {
-    if (halves && with_zeros) codes8_blocks<true, true>(xq, d, xs, M, K, N, cp, sp, zp, yp, float_out, begin, end);
-    else if (halves) codes8_blocks<true, false>(xq, d, xs, M, K, N, cp, sp, zp, yp, float_out, begin, end);
-    else if (with_zeros) codes8_blocks<false, true>(xq, d, xs, M, K, N, cp, sp, zp, yp, float_out, begin, end);
-    else codes8_blocks<false, false>(xq, d, xs, M, K, N, cp, sp, zp, yp, float_out, begin, end);
+    if (!five_bits) return blocks(cp, sp, zp, y.data_ptr(), begin, end);
+    // Five-bit codes: each 16-column block's groups widened to int8 codes once, then that block
+    // as the first of a one-block weight (its scales, zeros and output columns offset alike).
+    const int64_t scale_floats = halves ? 32 : 16, out_bytes = float_out ? 4 : 2;
+    // Up to a chunk of rows: block by block, each widened into L1 just before its products.
+    // More rows: the thread's blocks widened at once (into L2), then the products as for a
+    // byte-a-code weight, each row chunk reading them from there.
+    const int64_t span = M <= kCodes8Rows ? 1 : end - begin;
+    int8_t* wide = treeserve_cpu::wide_buffer(span * G * kCodes8Bytes);
+    for (int64_t nb = begin; nb < end; nb += span) {
+      const int64_t n = std::min(span, end - nb);
+      treeserve_cpu::unpack_codes5(reinterpret_cast<const uint8_t*>(cp) + nb * G * treeserve_cpu::kCodes5Bytes, n * G,
+                                   offset, wide);
+      blocks(wide, sp + nb * G * scale_floats, zp ? zp + nb * G * 16 : nullptr, static_cast<char*>(y.data_ptr()) + nb * 16 * out_bytes, 0, n);
+    }
   });
   free(xq);
   free(f);

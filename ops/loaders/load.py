@@ -346,6 +346,7 @@ def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_d
         torch.__version__, hashlib.sha256(code).hexdigest(),
         f"amx={fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) and q4_amx.available()}",
         f"q8={fmt.is_int and q8_amx.available()}", f"c8={fmt is WeightFormat.GGUF and codes8.available()}",
+        f"c8_avx2={fmt is WeightFormat.GGUF and codes8.avx2()}",  # which layout pack chose (five bits or not)
         ",".join(sorted(k.__name__ for k in PREPARED_KERNELS)),
     ])
     # Named by model, format and shapes (a tensor-parallel rank's slice has its own), then the key.

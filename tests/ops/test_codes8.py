@@ -216,8 +216,32 @@ def test_zero_tiny_and_non_finite_rows(fmt: tuple[int, bool], on_avx2: bool) -> 
     assert torch.equal(out[0], _mm(weights, x[:1], on_avx2, float_out=True)[0])
 
 
+@pytest.mark.parametrize("on_avx2", KERNELS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("signed", [True, False], ids=["q5_0", "q5_k"])
+def test_five_bit_codes_give_the_eight_bit_layouts_bits(fmt: tuple[int, bool], on_avx2: bool, signed: bool) -> None:
+    """Codes of five bits (Q5_0's -16..15, or Q5_1's and Q5_K's 0..31) are packed at 5/8 of a
+    byte and widened in the kernel: the same bits as their 8-bit layout at every row count, both
+    extremes of the range present."""
+    codes, scales, zeros = _weights(48, 128, fmt, seed=21)
+    codes = (codes.to(torch.int16) % 32 - (16 if signed else 0)).to(torch.int8)
+    codes[:, 7], codes[:, 100] = (-16, 15) if signed else (0, 31)
+    five = codes8.pack(codes, scales, zeros, five_bits=True)
+    eight = codes8.pack(codes, scales, zeros, five_bits=False)
+    assert five[0].numel() * 8 == codes.numel() * 5 and eight[0].numel() == codes.numel()
+    assert five[0].dtype == (torch.int8 if signed else torch.uint8)
+    x = _odd_rows(128)
+    for rows in (1, 3, 12, 64):
+        xr = x.repeat(6, 1)[:rows]
+        for float_out in (False, True):
+            got = codes8.mm(xr, *five, 48, float_out=float_out, avx2=on_avx2)
+            want = codes8.mm(xr, *eight, 48, float_out=float_out, avx2=on_avx2)
+            assert torch.equal(_bits(got), _bits(want)), (rows, float_out)
+
+
 def test_pack_and_the_op_refuse_what_does_not_fit() -> None:
     codes = torch.zeros(32, 64, dtype=torch.int8)
+    codes[0, 0] = 100  # eight bits: the byte-a-code layout
     assert codes8.supports(32, 64) and not codes8.supports(40, 64) and not codes8.supports(32, 48)
     with pytest.raises(ValueError, match="multiple"):
         codes8.pack(torch.zeros(40, 64, dtype=torch.int8), torch.zeros(40, 2), None)
