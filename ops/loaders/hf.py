@@ -45,7 +45,7 @@ class HFModel:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Translate an HF ``config.json`` dict (llama/qwen2 family) into a :class:`ModelConfig`."""
+    """Translate an HF ``config.json`` dict (:data:`SUPPORTED_MODEL_TYPES`) into a :class:`ModelConfig`."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFFormatError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -53,7 +53,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         hf = {**hf["text_config"], "model_type": "gemma3_text",
               "tie_word_embeddings": hf.get("tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", True))}
         model_type = "gemma3_text"
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    if float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))) != 1.0:
         raise HFFormatError("partial rotary embeddings (partial_rotary_factor) are not supported")
     num_heads = int(hf["num_attention_heads"])
     dim = int(hf["hidden_size"])

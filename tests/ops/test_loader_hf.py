@@ -168,3 +168,22 @@ def test_llama3_rope_scaling_factors() -> None:
                              "num_attention_heads": 2, "intermediate_size": 256, "rope_theta": 500000.0,
                              "rope_scaling": scaling})
     assert config.rope_factors == hf_rope_factors(scaling, 500000.0, 64)
+
+
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_partial_rotary_is_refused(where: str) -> None:
+    """Phi-4-mini's partial rotary embeddings, in transformers 4's place or 5's: refused, not
+    served with a whole-head rope."""
+    from treeserve.ops.loaders.hf import HFFormatError, config_from_hf
+
+    hf = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "intermediate_size": 128}
+    if where == "top":
+        hf["partial_rotary_factor"] = 0.75
+    else:
+        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(HFFormatError, match="partial rotary"):
+        config_from_hf(hf)
+    hf.pop("partial_rotary_factor", None)
+    hf.pop("rope_parameters", None)
+    assert config_from_hf(hf).head_dim == 16
