@@ -175,10 +175,8 @@ def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path, *, space_prefix: b
     return {"file": target.name, "texts": list(TOKENIZER_TEXTS), "ids": ids, "bytes": target.stat().st_size}
 
 
-def quantize_and_score(source: Path, target: Path, file_type: str, tokens: list[int]) -> dict[str, Any]:
-    """llama.cpp's requantization of ``source`` into ``target`` (``LLAMA_FTYPE_MOSTLY_<file_type>``)
-    and its logits on ``tokens``, saved beside it: the file's entry in ``fixtures.json``."""
-    import gguf
+def llama_quantize(source: Path, target: Path, file_type: str) -> None:
+    """llama.cpp's requantization of ``source`` into ``target`` (``LLAMA_FTYPE_MOSTLY_<file_type>``)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -186,6 +184,14 @@ def quantize_and_score(source: Path, target: Path, file_type: str, tokens: list[
     params.allow_requantize = True  # write_gguf stores ffn_down as Q8_0
     if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
         raise SystemExit(f"llama.cpp could not write {target.name}")
+
+
+def quantize_and_score(source: Path, target: Path, file_type: str, tokens: list[int]) -> dict[str, Any]:
+    """:func:`llama_quantize`, and llama.cpp's logits on ``tokens`` saved beside the file: its
+    entry in ``fixtures.json``."""
+    import gguf
+
+    llama_quantize(source, target, file_type)
     np.save(target.with_suffix(".logits.npy"), llama_cpp_logits(target, tokens).astype(np.float16))
     types = sorted({t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors})
     print(target.name, types, target.stat().st_size, flush=True)

@@ -13,16 +13,13 @@ Bench-only (llama-cpp-python).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib.util
 import math
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from gguf_fixtures import conftest, llama_quantize  # bench/, the script's folder, is on the path
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 3 270M (google/gemma-3-270m's config): 18 layers of width 640, 4 query heads over one
@@ -39,24 +36,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def helpers() -> Any:
-    spec = importlib.util.spec_from_file_location("ops_conftest", ROOT / "tests" / "ops" / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
-    import llama_cpp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gemma3-270m")
     parser.add_argument("--file-type", default="Q4_K_M", help="llama.cpp's LLAMA_FTYPE_MOSTLY_<this>")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     arch, shape = SHAPES[args.shape]
-    h = helpers()
+    h = conftest()
     backend = h.train_tiny_bpe()
     tokens, merges = h.bpe_vocab_and_merges(backend)
     padded = tokens + [f"<unused{i}>" for i in range(shape["vocab_size"] - len(tokens))]
@@ -74,11 +61,7 @@ def main() -> None:
         source = Path(tmp) / "f32.gguf"
         h.write_gguf(source, model, arch, None, tokenizer=write_tokenizer)
         del model
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.file_type}")
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(args.out).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit(f"llama.cpp could not write {args.out}")
+        llama_quantize(source, args.out, args.file_type)
     print(args.out, args.out.stat().st_size)
 
 

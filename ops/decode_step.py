@@ -101,14 +101,11 @@ def blocks_hidden(
     mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
     windows = {w: window_mask(lengths, positions, num_slots.shape[0], w) for w in
                {config.window(i) for i in range(config.num_layers)} if w is not None}
-    rope = {}  # by the cos table's id: (B, T, 1, hd) cos and sin in the model's dtype
+    rope = model.rope_rows(positions, dtype)
     for index, module in enumerate(model.layers):
         block = cast(Block, module)
         attn = block.self_attn
-        cos_table, sin_table = model.layer_rope(index)
-        if id(cos_table) not in rope:
-            rope[id(cos_table)] = (cos_table[positions].to(dtype)[:, :, None, :], sin_table[positions].to(dtype)[:, :, None, :])
-        cos, sin = rope[id(cos_table)]
+        cos, sin = (r[:, :, None, :] for r in rope[index])  # (B, T, 1, hd)
         window = config.window(index)
         if attn.qkv_proj is None:
             raise ValueError("the decode step needs a formatted model (formats.apply_format fuses its projections)")

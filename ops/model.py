@@ -323,11 +323,19 @@ class Transformer(nn.Module):
         for name, table in zip(("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"), (cos, sin, *local)):
             self.register_buffer(name, table, persistent=False)
 
-    def layer_rope(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The float32 cos/sin tables ``layer`` rotates by (the windowed layers' own or the others')."""
-        if self.config.local_rope and self.config.window(layer) is not None:
-            return self.rope_cos_local, self.rope_sin_local
-        return self.rope_cos, self.rope_sin
+    def rope_rows(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's cos and sin rows ``(B, T, hd)`` in ``dtype`` at ``positions`` ``(B, T)``,
+        gathered once per table (the windowed layers' own, the others')."""
+        gathered: dict[bool, tuple[Tensor, Tensor]] = {}
+        rows = []
+        local_rope = self.config.local_rope
+        for layer in range(len(self.layers)):
+            local = local_rope and self.config.window(layer) is not None
+            if local not in gathered:
+                cos, sin = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
+                gathered[local] = (cos[positions].to(dtype), sin[positions].to(dtype))
+            rows.append(gathered[local])
+        return rows
 
     def embed(self, tokens: Tensor) -> Tensor:
         """The first block's input states ``(B, T, D)`` of ``tokens``: their embeddings (times
@@ -453,14 +461,10 @@ class Transformer(nn.Module):
                 windowed[window] = full & window_mask(cache.lengths, positions, num_slots, window)
             else:
                 windowed[window] = None
-        dtype = self.dtype
-        tables: dict[int, tuple[Tensor, Tensor]] = {}  # by the cos table's id: one gather per rope
+        rope = self.rope_rows(positions, self.dtype)
         for index, module in enumerate(self.layers):
             block = cast(Block, module)
-            cos_table, sin_table = self.layer_rope(index)
-            if id(cos_table) not in tables:
-                tables[id(cos_table)] = (cos_table[positions].to(dtype)[:, None], sin_table[positions].to(dtype)[:, None])
-            cos, sin = tables[id(cos_table)]  # (B, 1, T, hd)
+            cos, sin = (r[:, None] for r in rope[index])  # (B, 1, T, hd)
             window = self.config.window(index)
             layer_mask, causal = mask, is_causal
             if window is not None and windowed[window] is not None:

@@ -274,16 +274,15 @@ def read_gguf_reader(reader: Any, *, unpermute_qk: bool = True) -> GGUFModel:
     return GGUFModel(config=config, state_dict=state, architecture=arch)
 
 
-def tensor_types(reader: Any) -> dict[str, str]:
-    """The GGUF type name (``Q4_K``, ``F32``...) of every tensor we use, by GGUF tensor name."""
-    config, arch = config_from_gguf(reader)
+def tensor_types(reader: Any, config: ModelConfig, arch: str) -> dict[str, str]:
+    """The GGUF type name (``Q4_K``, ``F32``...) of every tensor we use, by GGUF tensor name
+    (``config`` and ``arch``: :func:`config_from_gguf`'s)."""
     return {t.name: t.tensor_type.name for t in reader.tensors if torch_parts(t.name, config, arch)}
 
 
-def parameter_types(reader: Any) -> dict[str, str]:
+def parameter_types(reader: Any, config: ModelConfig, arch: str) -> dict[str, str]:
     """The GGUF type name of every parameter we read, by our parameter name (a split tensor's
-    parts each have its type)."""
-    config, arch = config_from_gguf(reader)
+    parts each have its type; ``config`` and ``arch``: :func:`config_from_gguf`'s)."""
     return {name: t.tensor_type.name for t in reader.tensors for name, _, _ in torch_parts(t.name, config, arch)}
 
 
@@ -293,7 +292,7 @@ def check_reader(reader: Any) -> tuple[ModelConfig, str]:
     that runs before anything is converted or cached."""
     config, arch = config_from_gguf(reader)
     try:
-        check_supported(tensor_types(reader))
+        check_supported(tensor_types(reader, config, arch))
     except UnsupportedBlockType as exc:
         raise GGUFFormatError(str(exc)) from None
     return config, arch

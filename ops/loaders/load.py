@@ -91,7 +91,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressCallback |
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:
         save_file(model.state_dict, str(tmp / WEIGHTS_FILE))
-        types = parameter_types(reader)
+        types = parameter_types(reader, model.config, model.architecture)
         meta = {"format_version": CONVERTED_FORMAT_VERSION, "architecture": model.architecture,
                 "source": str(gguf_path), "config": asdict(model.config), "tensor_types": types}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
