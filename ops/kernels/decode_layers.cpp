@@ -56,6 +56,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -188,10 +189,11 @@ void act_mul(const bf16* gate_up, int64_t rows, int64_t F, bool gelu, bf16* out)
 // All in float32; bf16 inputs widen exactly, and the output is rounded to nearest even.
 //
 // Work: a unit is (row, a chunk of kTokenChunk new tokens, KV head, segment) and takes the
-// chunk's tokens that reach that segment, with their H / n_kv query heads; units are handed out
-// one at a time, and each token's segments are then merged in the same parallel region. A
-// unit of one token (a decode step's) reads its keys and values in the bf16 cache; a unit of
-// several widens each block of the committed prefix (or, for a causal chain, any block: key i
+// chunk's tokens that reach that segment, with their H / n_kv query heads; a thread claims its
+// next unit as it starts one (so it can fetch that unit's rows meanwhile), and each token's
+// segments are then merged in the same parallel region. A unit of one token (a decode step's)
+// reads its keys and values in the bf16 cache (touched once a block first); a unit of several
+// widens each block of the committed prefix (or, for a causal chain, any block: key i
 // is slot i) to float32 once for all of its tokens, and reads tree slots in the cache per
 // token. Either way a token's arithmetic is the same, so sharing changes what is read, not
 // what is computed.
@@ -223,7 +225,7 @@ constexpr int kWeighVectors = 4;  // 16-dim pieces of a row's weighted values he
 inline __m256 low(V16 a) { return _mm512_castps512_ps256(a.v); }  // lanes 0..7
 inline __m256 high(V16 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)); }  // 8..15
 #else
-constexpr int kKeysPerPass = 1;  // R sums of two ymm halves (two keys a pass spilled: trees 1.1x the time)
+constexpr int kKeysPerPass = 8;  // one key's R sums (two ymm halves each) at a time, eight keys reduced at once
 constexpr int kWeighVectors = 1;  // R x 1 sums, R weights and a value: 11 ymm registers at R = 3 (two spilled)
 inline __m256 low(V16 a) { return a.lo; }
 inline __m256 high(V16 a) { return a.hi; }
@@ -247,19 +249,67 @@ struct Widened {
   V16 load(int64_t j, int64_t d) const { return simd16::vload(rows + j * hd + d); }
 };
 
+// Key and value rows that a later block or unit will read, fetched into L2 a row at a time
+// while a block's own rows are first read (widened, or touched): a decode batch streams every
+// row's cache from memory once. Issued in bursts between blocks instead, these prefetches
+// stalled on the memory's queue while nothing else ran (a 64-row step's attention 1.2-1.3x the
+// time on AVX2). Two streams: the segment's next block and this thread's next unit.
+struct Ahead {
+  struct Stream {
+    const char* keys = nullptr;  // row 0 of the keys, and of the values
+    const char* values = nullptr;
+    int64_t rows = 0;
+  } next_block, next_unit;
+  int64_t row_bytes = 0;
+  // Always inlined: GCC (12) takes a function whose only effect is a prefetch for a const one,
+  // and drops the calls whose results go unused, with the prefetches.
+  [[gnu::always_inline]] static void fetch(const Stream& s, int64_t j, int64_t offset) {
+    if (j >= s.rows) return;
+    _mm_prefetch(s.keys + offset, _MM_HINT_T1);
+    _mm_prefetch(s.values + offset, _MM_HINT_T1);
+  }
+  [[gnu::always_inline]] void line(int64_t j, int64_t at) const {  // the streams' row j, its line at byte `at`
+    fetch(next_block, j, j * row_bytes + at);
+    fetch(next_unit, j, j * row_bytes + at);
+  }
+  [[gnu::always_inline]] void rest(int64_t from) const {  // their rows from `from` on
+    for (int64_t j = from; j < std::max(next_block.rows, next_unit.rows); ++j)
+      for (int64_t at = 0; at < row_bytes; at += 64) line(j, at);
+  }
+};
+
+// A decode unit's block, read in the cache where it lies: each key and value row's lines loaded
+// once up front (into L1, 2 x 8 KiB at hd 64), beside the prefetches of `ahead`'s rows, so that
+// scoring and weighing find them there.
+void touch_block(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t n, int64_t hd, const Ahead& ahead) {
+  __m256i sink = _mm256_setzero_si256();
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t at = 0; at < hd * 2; at += 64) {
+      ahead.line(j, at);
+      sink = _mm256_or_si256(sink, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(krow[j]) + at)));
+      sink = _mm256_or_si256(sink, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(vrow[j]) + at)));
+    }
+  }
+  asm volatile("" : : "x"(sink));  // the loads are the point: kept
+  ahead.rest(n);
+}
+
 // A block's rows widened to float32: k[j * hd + d] and v[j * hd + d].
 struct Block {
   alignas(64) float k[kKeyBlock * kMaxHeadDim];
   alignas(64) float v[kKeyBlock * kMaxHeadDim];
 };
 
-void widen_block(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t n, int64_t hd, Block& out) {
+void widen_block(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t n, int64_t hd, Block& out,
+                 const Ahead& ahead) {
   for (int64_t j = 0; j < n; ++j) {
+    for (int64_t at = 0; at < hd * 2; at += 64) ahead.line(j, at);
     for (int64_t d = 0; d < hd; d += 16) {
       simd16::vstore(out.k + j * hd + d, bf16x16(krow[j] + d));
       simd16::vstore(out.v + j * hd + d, bf16x16(vrow[j] + d));
     }
   }
+  ahead.rest(n);
 }
 
 // The online-softmax state of one query row: its running maximum and sum, and its weighted
@@ -270,9 +320,15 @@ struct RowState {
 };
 
 // Keys' folded eight-lane partial dot products -> their scores, each summed as
-// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): four keys at once, or one, alike.
-inline void sum_lanes(const __m256* a, int keys, float* out) {
-  if (keys == 4) {
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): eight keys at once, four, or one, alike.
+template <int K>
+inline void sum_lanes(const __m256* a, float* out) {
+  static_assert(K == 1 || K == 4 || K == 8, "sum_lanes takes one key, four or eight");
+  if constexpr (K == 8) {  // lanes 0..3 of x: keys 0..3's l0..l3 sums, 4..7 their l4..l7 sums; y keys 4..7's
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31)));
+  } else if constexpr (K == 4) {
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
   } else {
@@ -281,28 +337,45 @@ inline void sum_lanes(const __m256* a, int keys, float* out) {
   }
 }
 
-// Rows q[0, R) (R <= 3; hd apart) against keys j0 .. j0 + kKeysPerPass - 1 of a block:
+// Rows q[0, R) (R <= 3; hd apart) against keys j0 .. j0 + K - 1 of a block:
 // score[r][j] = (lane l's FMA chain over d = l, l + 16, ... folded with lane l + 8's, then
-// summed by sum_lanes) * scale.
-template <int R, class Keys>
+// summed by sum_lanes) * scale. Four keys' sums are held at once (AVX-512: R x 4 zmm), or, for
+// eight (AVX2, where a key's R sums are 2R ymm registers), one key's at a time, their folded
+// halves kept for one reduction of all eight.
+template <int R, int K, class Keys>
 inline void score_keys(const float* q, int64_t hd, const Keys& keys, int64_t j0, float scale, float (*score)[kKeyBlock]) {
-  constexpr int K = kKeysPerPass;
-  static_assert(K == 1 || K == 4, "sum_lanes takes one key or four");
-  V16 acc[R][K];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < K; ++j) acc[r][j] = simd16::vzero();
-  for (int64_t d = 0; d < hd; d += 16) {
+  alignas(32) float sums[K];
+  if constexpr (K == 8) {
+    __m256 folded[R][K];
     for (int j = 0; j < K; ++j) {
-      const V16 k = keys.load(j0 + j, d);
-      for (int r = 0; r < R; ++r) acc[r][j] = simd16::vfmadd(simd16::vloadu(q + r * hd + d), k, acc[r][j]);
+      V16 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = simd16::vzero();
+      for (int64_t d = 0; d < hd; d += 16) {
+        const V16 k = keys.load(j0 + j, d);
+        for (int r = 0; r < R; ++r) acc[r] = simd16::vfmadd(simd16::vloadu(q + r * hd + d), k, acc[r]);
+      }
+      for (int r = 0; r < R; ++r) folded[r][j] = fold(acc[r]);
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 folded[K];
-    for (int j = 0; j < K; ++j) folded[j] = fold(acc[r][j]);
-    alignas(16) float sums[4];
-    sum_lanes(folded, K, sums);
-    for (int j = 0; j < K; ++j) score[r][j0 + j] = sums[j] * scale;
+    for (int r = 0; r < R; ++r) {
+      sum_lanes<K>(folded[r], sums);
+      for (int j = 0; j < K; ++j) score[r][j0 + j] = sums[j] * scale;
+    }
+  } else {
+    V16 acc[R][K];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < K; ++j) acc[r][j] = simd16::vzero();
+    for (int64_t d = 0; d < hd; d += 16) {
+      for (int j = 0; j < K; ++j) {
+        const V16 k = keys.load(j0 + j, d);
+        for (int r = 0; r < R; ++r) acc[r][j] = simd16::vfmadd(simd16::vloadu(q + r * hd + d), k, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 folded[K];
+      for (int j = 0; j < K; ++j) folded[j] = fold(acc[r][j]);
+      sum_lanes<K>(folded, sums);
+      for (int j = 0; j < K; ++j) score[r][j0 + j] = sums[j] * scale;
+    }
   }
 }
 
@@ -346,11 +419,13 @@ inline void weigh(const float (*p)[kKeyBlock], const float* shrink, int64_t n, c
 // used). The block's weights are exp(score - max) (simd16's exp, lane by lane; zero outside
 // [lo, n)), and their sum the 16-key pieces added in order, then folded and summed as
 // reduce_add8 does.
-template <int R, class Rows>
-void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& values, int64_t lo, int64_t n, float scale,
+template <int R, class Keys, class Values>
+void attend_rows(const float* q, int64_t hd, const Keys& keys, const Values& values, int64_t lo, int64_t n, float scale,
                  RowState* rows) {
   alignas(64) float score[R][kKeyBlock];
-  for (int64_t j0 = 0; j0 < n; j0 += kKeysPerPass) score_keys<R>(q, hd, keys, j0, scale, score);
+  int64_t j0 = 0;
+  for (; j0 + kKeysPerPass <= n; j0 += kKeysPerPass) score_keys<R, kKeysPerPass>(q, hd, keys, j0, scale, score);
+  for (; j0 < n; ++j0) score_keys<R, 1>(q, hd, keys, j0, scale, score);
   float shrink[R] = {};
   const int64_t pieces = (n + 15) / 16;
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -379,8 +454,8 @@ void attend_rows(const float* q, int64_t hd, const Rows& keys, const Rows& value
 }
 
 // G query rows take keys [lo, n) of a block, three rows at a time.
-template <class Rows>
-void attend_block(const float* q, int64_t G, int64_t hd, const Rows& keys, const Rows& values, int64_t lo, int64_t n,
+template <class Keys, class Values>
+void attend_block(const float* q, int64_t G, int64_t hd, const Keys& keys, const Values& values, int64_t lo, int64_t n,
                   float scale, RowState* rows) {
   int64_t r = 0;
   for (; r + 3 <= G; r += 3) attend_rows<3>(q + r * hd, hd, keys, values, lo, n, scale, rows + r);
@@ -428,7 +503,7 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
   static thread_local std::vector<float> scratch;  // (thread_local: the workers below see the caller's through parts)
   if (scratch.size() < static_cast<size_t>(first_part[tokens] * part_floats)) scratch.resize(first_part[tokens] * part_floats);
   float* const parts = scratch.data();
-  // Units: (row, a chunk of its tokens, KV head, segment), handed out one at a time (their sizes
+  // Units: (row, a chunk of its tokens, KV head, segment), taken as threads come free (their sizes
   // differ: a segment of a row's last keys is short, and a tree's tokens reach few of them).
   // A unit takes one segment, or, where (row, chunk, KV head) alone make enough units for the
   // threads (a decode batch), all of that row's segments one after another: each segment is
@@ -441,14 +516,18 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
   for (int64_t b = 0; b < s.B; ++b) first_unit[b + 1] = first_unit[b] + chunks * s.n_kv * spans(b);
   const int64_t units = first_unit[s.B];
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
+  // Each thread claims its next unit when it starts one, so that it knows which rows to fetch
+  // meanwhile (a guess such as u + threads was often the other thread's unit, and a 64-row
+  // step's attention took 1.2x as long on AVX2); units are still taken as threads come free.
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::unique_ptr<Block> blk(new Block());  // zeroed once: rows past a block's keys are read, never used
     std::vector<float> qf, acc;
     std::vector<RowState> rows;
     std::vector<int64_t> members;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
+    for (int64_t u = claimed.fetch_add(1, std::memory_order_relaxed), following; u < units; u = following) {
+      following = claimed.fetch_add(1, std::memory_order_relaxed);
       // Unit u: row b, chunk c, KV head g, segments [k_first, k_last).
       const auto locate = [&](int64_t unit, int64_t& b, int64_t& c, int64_t& g, int64_t& k_first, int64_t& k_last) {
         b = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
@@ -460,28 +539,26 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
       };
       int64_t b, c, g, k_first, k_last;
       locate(u, b, c, g, k_first, k_last);
-      // The committed keys and values of unit u + threads (the one this thread most likely takes
-      // next) go into L2 meanwhile, a block's worth of rows after each block this unit attends
-      // (so they do not crowd out its own reads all at once): a decode batch streams each row's
-      // cache from memory once, and without this its 64-row attention took 1.05-1.3x as long.
+      // The committed keys and values of this thread's next unit go into L2 meanwhile, a block's
+      // worth of rows with each block this unit attends (Ahead): a decode batch streams each
+      // row's cache from memory once, and without this its 64-row attention took 1.05-1.3x as long.
       const uint16_t* next_keys = nullptr;
       const uint16_t* next_values = nullptr;
       int64_t next_rows = 0, next_done = 0;
-      if (u + threads < units) {
+      if (following < units) {
         int64_t nb, nc, ng, nk_first, nk_last;
-        locate(u + threads, nb, nc, ng, nk_first, nk_last);
+        locate(following, nb, nc, ng, nk_first, nk_last);
         const int64_t begin = nk_first * kSegment;
         next_rows = std::max<int64_t>(0, std::min(lengths[nb], nk_last * kSegment) - begin);
         next_keys = keys + ((nb * s.n_kv + ng) * s.C + begin) * hd;
         next_values = values + ((nb * s.n_kv + ng) * s.C + begin) * hd;
       }
-      const auto prefetch_next = [&](int64_t count) {
-        const int64_t end = std::min(next_rows, next_done + count);
-        for (int64_t line = next_done * hd * 2; line < end * hd * 2; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(next_keys) + line, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(next_values) + line, _MM_HINT_T1);
-        }
-        next_done = end;
+      const auto next_unit = [&](int64_t count) {  // its next `count` rows not yet fetched
+        const Ahead::Stream rows{reinterpret_cast<const char*>(next_keys + next_done * hd),
+                                 reinterpret_cast<const char*>(next_values + next_done * hd),
+                                 std::max<int64_t>(0, std::min(count, next_rows - next_done))};
+        next_done += rows.rows;
+        return rows;
       };
       for (int64_t k = k_first; k < k_last; ++k) {
         const int64_t i_begin = k * kSegment, L = lengths[b];
@@ -515,17 +592,19 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
             }
             if (reach <= 0) break;
             if (widest <= 0) continue;  // every token's window starts past this block
-            if (i0 + kKeyBlock < i_begin + kSegment)  // the segment's next block into L2 meanwhile
-              for (int64_t line = 0; line < kKeyBlock * hd * 2; line += 64) {
-                _mm_prefetch(reinterpret_cast<const char*>(kbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
-                _mm_prefetch(reinterpret_cast<const char*>(vbase + (i0 + kKeyBlock) * hd) + line, _MM_HINT_T1);
-              }
-            const int64_t padded = (widest + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
-            for (int64_t j = 0; j < padded; ++j) {  // rows past widest: readable, never used
-              krow[j] = kbase + (i0 + std::min(j, widest - 1)) * hd;
-              vrow[j] = vbase + (i0 + std::min(j, widest - 1)) * hd;
+            // The segment's next block and the next unit's rows, fetched as this block goes.
+            Ahead ahead;
+            ahead.row_bytes = hd * 2;
+            if (i0 + kKeyBlock < i_begin + kSegment)
+              ahead.next_block = {reinterpret_cast<const char*>(kbase + (i0 + kKeyBlock) * hd),
+                                  reinterpret_cast<const char*>(vbase + (i0 + kKeyBlock) * hd), kKeyBlock};
+            ahead.next_unit = next_unit(kKeyBlock);
+            for (int64_t j = 0; j < widest; ++j) {
+              krow[j] = kbase + (i0 + j) * hd;
+              vrow[j] = vbase + (i0 + j) * hd;
             }
-            if (m > 1) widen_block(krow, vrow, widest, hd, *blk);  // once for the unit's tokens
+            if (m > 1) widen_block(krow, vrow, widest, hd, *blk, ahead);  // once for the unit's tokens
+            else touch_block(krow, vrow, widest, hd, ahead);
             const Widened wk{blk->k, hd}, wv{blk->v, hd};
             const Cached ck{krow}, cv{vrow};
             for (int64_t i = 0; i < m; ++i) {
@@ -535,7 +614,12 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
               if (m > 1) attend_block(qf.data() + i * G * hd, G, hd, wk, wv, lo, n, scale, rows.data() + i * G);
               else attend_block(qf.data() + i * G * hd, G, hd, ck, cv, lo, n, scale, rows.data() + i * G);
             }
-            prefetch_next(kKeyBlock);
+            // The next unit's rows once more: prefetches that found the memory's queue full were
+            // dropped, and the rest are in L2 by now (a 64-row step's attention 0.94x the time).
+            Ahead again;
+            again.row_bytes = ahead.row_bytes;
+            again.next_unit = ahead.next_unit;
+            again.rest(0);
           } else {  // tree slots: each token's own keys, read in the cache
             bool any = false;
             for (int64_t i = 0; i < m; ++i) {
@@ -544,8 +628,8 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
               if (n <= 0) continue;
               any = true;
               if (n <= lo) continue;
-              for (int64_t j = 0; j < (n + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass; ++j) {
-                const int64_t slot = v.slot(i0 + std::min(j, n - 1));
+              for (int64_t j = 0; j < n; ++j) {
+                const int64_t slot = v.slot(i0 + j);
                 krow[j] = kbase + slot * hd;
                 vrow[j] = vbase + slot * hd;
               }
@@ -565,9 +649,13 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values, con
           }
         }
       }
-      prefetch_next(next_rows);  // the rest of them, if this unit was shorter
+      Ahead rest;  // the rest of them, if this unit was shorter
+      rest.row_bytes = hd * 2;
+      rest.next_unit = next_unit(next_rows);
+      rest.rest(0);
     }
-    // Then (after the loop's barrier) merge each token's segments in order, in the same region.
+#pragma omp barrier
+    // Then merge each token's segments in order, in the same region.
     alignas(32) float total[kMaxHeadDim];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * s.n_kv; ++item) {
@@ -760,13 +848,49 @@ at::Tensor run(const at::Tensor& h_in, const at::Tensor& positions_in, const at:
   return out;
 }
 
+// One layer's attention alone, as run() calls it (for the tests and bench/attention_kernel.py):
+// q (B, T, H, hd) bf16; keys/values (B, n_kv, C, hd) bf16 with the new tokens' rows written at
+// lengths[b] + t; tree_mask (B, T, T) bool, or empty for a causal chain. Returns (B, T, H * hd).
+at::Tensor attend_op(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths_in,
+                     const at::Tensor& tree_mask_in, int64_t window, double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kBFloat16, "treeserve_layers::attend: q must be (B, T, H, hd) bf16");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3);
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kBFloat16 && keys.is_contiguous() && keys.size(0) == B &&
+                  keys.size(3) == hd && values.sizes() == keys.sizes() && values.scalar_type() == at::kBFloat16 &&
+                  values.is_contiguous(),
+              "treeserve_layers::attend: keys and values must be contiguous (B, n_kv, C, hd) bf16");
+  const int64_t n_kv = keys.size(1), C = keys.size(2);
+  TORCH_CHECK(hd % 16 == 0 && hd <= kMaxHeadDim && H % n_kv == 0 && H / n_kv <= kMaxGroup,
+              "treeserve_layers::attend: the head size must be a multiple of 16 (at most ", kMaxHeadDim, "), at most ",
+              kMaxGroup, " query heads per KV head");
+  const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
+  TORCH_CHECK(lengths.numel() == B, "treeserve_layers::attend: lengths must be (B,)");
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + T <= C, "treeserve_layers::attend: a row's new tokens overflow the cache");
+  const bool causal = tree_mask_in.numel() == 0;
+  TORCH_CHECK(causal || (tree_mask_in.scalar_type() == at::kBool && tree_mask_in.numel() == B * T * T),
+              "treeserve_layers::attend: tree_mask must be (B, T, T) bool, or empty for a causal chain");
+  const at::Tensor tree_mask = causal ? tree_mask_in : tree_mask_in.contiguous();
+  at::Tensor out = at::empty({B, T, H * hd}, q.options());
+  attend(bits(reinterpret_cast<const bf16*>(q.data_ptr())), bits(reinterpret_cast<const bf16*>(keys.data_ptr())),
+         bits(reinterpret_cast<const bf16*>(values.data_ptr())), len, causal ? nullptr : tree_mask.data_ptr<bool>(),
+         AttnShape{B, T, H, n_kv, C, hd}, window, static_cast<float>(scale), bits(reinterpret_cast<bf16*>(out.data_ptr())));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(treeserve_layers, m) {
+  m.def("attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, Tensor tree_mask, int window, float scale) -> Tensor");
   m.def("run(Tensor h, Tensor positions, Tensor tree_mask, Tensor lengths, Tensor(a!)[] keys, Tensor(b!)[] values, "
         "Tensor rope_cos, Tensor rope_sin, Tensor rope_cos_local, Tensor rope_sin_local, Tensor[] weights, "
         "int[] windows, int num_heads, int num_kv_heads, int ffn, float eps, int kernel, int activation, float attn_scale) "
         "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(treeserve_layers, CPU, m) { m.impl("run", run); }
+TORCH_LIBRARY_IMPL(treeserve_layers, CPU, m) {
+  m.impl("run", run);
+  m.impl("attend", attend_op);
+}

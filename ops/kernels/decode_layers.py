@@ -15,6 +15,9 @@ AVX2 (:func:`flags`), which compute the same bits (a test compares them); its pr
 those of the host's kernel (each path's invariance is tested, not their agreement with each
 other).
 
+``torch.ops.treeserve_layers.attend`` runs one layer's attention alone, as ``run`` does (for
+``tests/ops/test_decode_layers_attention.py`` and ``bench/attention_kernel.py``).
+
 It also spares the compiled step's Python wrapper (~330 calls a step), so q4_1 needs neither
 Python per op nor compiling. :func:`fits` says whether a model can take it: every block's
 linears on the ``q4_amx`` packing with one of the two int8-row kernels or on ``codes8``'s (on the
