@@ -23,6 +23,13 @@ Measures on this machine, medians of repeats:
 
     python bench/forward.py --json [--model FILE.gguf] [--formats auto,bfloat16] [--repeats 7] [--no-llama-cpp]
 
+``--contend`` measures instead how each format's one-row step slows beside a CPU-bound competitor
+process (``--competitor spin``: one Python thread in a busy loop, which takes one of the cores;
+``torch2``: a 2-thread float32 matmul loop, another 2-thread job), quiet and then contended,
+and llama.cpp's decode tokens/s on the same file under the same competitor:
+``{"contention": {FORMAT: {"quiet_step_ms", "contended_step_ms", "ratio"}, ..., "llama_cpp":
+{"quiet_tok_s", "contended_tok_s", "ratio"}}}``.
+
 llama-cpp-python is a bench-only extra, never a dependency (build flags for this CPU in
 ``bench/RESULTS.md``). JSON shape: ``{"roofline_gb_s", "default_format", "formats": {NAME:
 {"decode_tok_s", "tree_ratio": {"4","16","64"}, "batch_tok_s": {"16","64"}, "weight_gb_s",
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -280,6 +288,60 @@ def measure_format(name: str, args: argparse.Namespace, prompts: list[list[int]]
     return entry, model
 
 
+COMPETITORS = {
+    "spin": "while True: pass",
+    "torch2": "import torch\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\nwhile True: a @ a",
+}
+"""CPU-bound competitor processes for ``--contend``: one busy core, or a 2-thread job."""
+
+
+class Competitor:
+    """A competitor process for the duration of a ``with`` block (given a second to start)."""
+
+    def __init__(self, kind: str) -> None:
+        self.code = COMPETITORS[kind]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Competitor:
+        self.process = subprocess.Popen([sys.executable, "-c", self.code])
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+
+def contention(args: argparse.Namespace, formats: list[str]) -> dict[str, Any]:
+    """Each format's one-row step quiet and beside the competitor; llama.cpp's decode likewise."""
+    out: dict[str, Any] = {}
+    loaded = None
+    for name in formats:
+        loaded = load_model(args.model, weight_format=name)
+        model = loaded.model
+        quiet = step_seconds(model, 1, args.repeats)
+        with Competitor(args.competitor):
+            busy = step_seconds(model, 1, args.repeats)
+        out[name] = {"quiet_step_ms": round(quiet * 1e3, 2), "contended_step_ms": round(busy * 1e3, 2),
+                     "ratio": round(busy / quiet, 2)}
+        print(f"[forward] contention {name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+        del model
+    if loaded is not None and not args.no_llama_cpp and loaded.source.suffix == ".gguf":
+        source = loaded.source
+        gen = torch.Generator().manual_seed(2)
+        prompt = torch.randint(100, loaded.config.vocab_size, (E2E_PROMPT_TOKENS,), generator=gen).tolist()
+        try:
+            quiet_tok = e2e_llama_cpp(source, prompt, args.threads, 3)["llama_cpp_decode_tok_s"]
+            with Competitor(args.competitor):
+                busy_tok = e2e_llama_cpp(source, prompt, args.threads, 3)["llama_cpp_decode_tok_s"]
+            out["llama_cpp"] = {"quiet_tok_s": round(quiet_tok, 1), "contended_tok_s": round(busy_tok, 1),
+                                "ratio": round(quiet_tok / busy_tok, 2)}
+        except ImportError as exc:
+            out["llama_cpp"] = {"skipped": str(exc)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -290,12 +352,19 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=64, help="float32 greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--contend", action="store_true", help="only the steps quiet and beside a competitor process")
+    parser.add_argument("--competitor", choices=sorted(COMPETITORS), default="spin", help="with --contend")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in formats if f not in KNOWN_FORMATS]
     if unknown:
         parser.error(f"unknown formats {unknown}; known: {', '.join(KNOWN_FORMATS)}")
+    if args.contend:
+        found = {"model": args.model, "threads": torch.get_num_threads(), "competitor": args.competitor,
+                 "contention": contention(args, formats)}
+        print(json.dumps(found, indent=1))
+        return
 
     reference = load_model(args.model)  # float32, unformatted: the exact reference
     prompts = chat_prompts(reference.tokenizer, args.prompts)

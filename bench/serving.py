@@ -23,10 +23,17 @@ requests, as in service). ``--repetitive`` keeps what they learned: repeated tra
 the suffix drafter is for. With fewer prompts than clients, prompts repeat within a pass: give
 ``--limit`` at least the largest ``--clients``.
 
+``--peer llama-server`` measures instead the same streamed OpenAI-API chat traffic against
+treeserve's HTTP server and llama.cpp's ``llama-server`` on the same GGUF (``--gguf``, default
+the default model's file), a fresh server per client count with a slot (a KV row) per client:
+total tokens/s, TTFT p50/p99 and time per output token (``bench/http_load.py``).
+
 Usage::
 
     python bench/serving.py --json                       # built-in prompts
     python bench/serving.py --dataset mtbench --limit 8  # after python bench/data/fetch.py mtbench
+    LLAMA_SERVER=/path/to/llama-server python bench/serving.py --peer llama-server --dataset mtbench \
+        --clients 1 4 16 64 --json
 
 Progress goes to stderr; ``--json`` prints one JSON object on stdout.
 """
@@ -205,6 +212,24 @@ async def _rounds(result: dict[str, Any], endpoint: str, prompts: list[str], mod
         result["concurrency"][f"{name}@{num_clients}"] = median
 
 
+def peer_main(args: argparse.Namespace) -> None:
+    """``--peer``: treeserve's HTTP server beside the peer's, a fresh pair per client count."""
+    import http_load  # bench/ is on sys.path when this file runs as a script
+
+    from treeserve.ops.loaders.registry import DEFAULT_MODEL, pull
+
+    gguf = args.gguf or str(pull(DEFAULT_MODEL))
+    with tempfile.TemporaryDirectory(prefix="treeserve-peer-") as tmp:
+        result = http_load.compare(gguf, load_prompts(args), args.clients, args.max_tokens, args.row_capacity,
+                                   args.threads, Path(tmp), progress=_log)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    for clients, row in result["clients"].items():
+        print(f"{clients:>3} clients: treeserve {row['treeserve_tok_s']:7.1f} tok/s, llama-server {row['peer_tok_s']:7.1f}"
+              f" (x{row['tok_s_ratio']:.2f}); TTFT p99 {row['treeserve_ttft_p99_s']:.2f} / {row['peer_ttft_p99_s']:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -222,8 +247,15 @@ def main() -> None:
     parser.add_argument("--repetitive", action="store_true",
                         help="keep the suffix indexes across passes over the same prompts (repeated traffic); "
                              "default: empty them before every measured request and pass (fresh traffic)")
+    parser.add_argument("--peer", choices=["llama-server"], default=None,
+                        help="compare treeserve's HTTP server with this peer on the same traffic (bench/http_load.py)")
+    parser.add_argument("--gguf", default=None, help="with --peer: the GGUF both serve (default: the default model's)")
+    parser.add_argument("--threads", type=int, default=2, help="with --peer: the peer's threads")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.peer:
+        peer_main(args)
+        return
     result = uvloop.run(bench(args))
     if args.json:
         print(json.dumps(result, indent=2))
