@@ -26,7 +26,9 @@ the suffix drafter is for. With fewer prompts than clients, prompts repeat withi
 ``--peer llama-server`` measures instead the same streamed OpenAI-API chat traffic against
 treeserve's HTTP server and llama.cpp's ``llama-server`` on the same GGUF (``--gguf``, default
 the default model's file), a fresh server per client count with a slot (a KV row) per client:
-total tokens/s, TTFT p50/p99 and time per output token (``bench/http_load.py``).
+total tokens/s, TTFT p50/p99 and time per output token (``bench/http_load.py``). treeserve then
+serves the file as it is stored (``--format auto``; ``--format`` is not used) with its default
+(adaptive) speculation, as ``treeserve serve --http --model FILE`` does.
 
 Usage::
 
