@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -84,6 +85,27 @@ inline int8_t* wide_buffer(int64_t bytes) {
     buffer.size = bytes;
   }
   return buffer.data;
+}
+
+// A thread's 16-column blocks [begin, end) of a five-bit weight (`codes`, groups of G per block;
+// `scale_floats` scales and 16 zeros a group; `out_bytes` an output element), each block widened
+// to int8 codes and then run by `blocks(codes, scales, zeros, out, n)` as the first n blocks of a
+// weight of their own (its scales, zeros and output columns offset alike), so a packed weight
+// gives the bits of its 8-bit layout. Up to `chunk_rows` rows of x: block by block, each
+// widened into L1 just before its products. More rows: the thread's blocks widened at once
+// (into L2), then the products as for a byte-a-code weight, each row chunk reading them there.
+template <class Blocks>
+inline void over_five_bit_blocks(const void* codes, const float* scales, const float* zeros, void* out, int64_t M,
+                                 int64_t G, int64_t chunk_rows, int64_t scale_floats, int64_t out_bytes, int8_t offset,
+                                 int64_t begin, int64_t end, Blocks blocks) {
+  const int64_t span = M <= chunk_rows ? 1 : end - begin;
+  int8_t* wide = wide_buffer(span * G * 512);  // 512 codes a group
+  for (int64_t nb = begin; nb < end; nb += span) {
+    const int64_t n = std::min(span, end - nb);
+    unpack_codes5(static_cast<const uint8_t*>(codes) + nb * G * kCodes5Bytes, n * G, offset, wide);
+    blocks(static_cast<const int8_t*>(wide), scales + nb * G * scale_floats, zeros ? zeros + nb * G * 16 : nullptr,
+           static_cast<char*>(out) + nb * 16 * out_bytes, n);
+  }
 }
 
 }  // namespace treeserve_cpu

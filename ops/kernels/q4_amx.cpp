@@ -469,9 +469,8 @@ void codes8_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* xq, float* d, 
 }
 
 // offset >= 0: the codes are packed at five bits (codes5.h; offset: what a field less is its
-// code): each 16-column block's groups are widened to int8 codes once, and that block runs as the
-// first of a one-block weight (its scales, zeros and output columns offset alike), so a packed
-// weight gives the bits of its 8-bit layout.
+// code), widened a block at a time by over_five_bit_blocks, so a packed weight gives the bits of
+// its 8-bit layout.
 template <bool kHalves, bool kZeros>
 void codes8_gemm(const int8_t* xq, const float* d, const int32_t* bias, const float* xs, int64_t M, int64_t K,
                  int64_t N, const int8_t* codes, const float* scales, const float* zeros, void* y, bool float_out,
@@ -486,17 +485,11 @@ void codes8_gemm(const int8_t* xq, const float* d, const int32_t* bias, const fl
   };
   over_blocks(N / 16, [&](int64_t begin, int64_t end) {
     if (offset < 0) return blocks(codes, scales, zeros, static_cast<char*>(y), begin, end);
-    // Up to a chunk of rows: block by block, each widened into L1 just before its products.
-    // More rows: the thread's blocks widened at once (into L2), then the products as for a
-    // byte-a-code weight, each row chunk reading them from there.
-    const int64_t span = M <= kCodes8Rows ? 1 : end - begin;
-    int8_t* wide = treeserve_cpu::wide_buffer(span * G * kCodes8Bytes);
-    for (int64_t nb = begin; nb < end; nb += span) {
-      const int64_t n = std::min(span, end - nb);
-      treeserve_cpu::unpack_codes5(reinterpret_cast<const uint8_t*>(codes) + nb * G * treeserve_cpu::kCodes5Bytes, n * G,
-                                   static_cast<int8_t>(offset), wide);
-      blocks(wide, scales + nb * G * scale_floats, zeros ? zeros + nb * G * 16 : nullptr, static_cast<char*>(y) + nb * 16 * out_bytes, 0, n);
-    }
+    treeserve_cpu::over_five_bit_blocks(codes, scales, zeros, y, M, G, kCodes8Rows, scale_floats, out_bytes,
+                                        static_cast<int8_t>(offset), begin, end,
+                                        [&](const int8_t* c, const float* s, const float* z, char* out, int64_t n) {
+                                          blocks(c, s, z, out, 0, n);
+                                        });
   });
 }
 

@@ -501,20 +501,12 @@ at::Tensor q8g_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   };
   over_blocks(N / 16, [&](int64_t begin, int64_t end) {
     if (!five_bits) return blocks(cp, sp, zp, y.data_ptr(), begin, end);
-    // Five-bit codes: each 16-column block's groups widened to int8 codes once, then that block
-    // as the first of a one-block weight (its scales, zeros and output columns offset alike).
-    const int64_t scale_floats = halves ? 32 : 16, out_bytes = float_out ? 4 : 2;
-    // Up to a chunk of rows: block by block, each widened into L1 just before its products.
-    // More rows: the thread's blocks widened at once (into L2), then the products as for a
-    // byte-a-code weight, each row chunk reading them from there.
-    const int64_t span = M <= kCodes8Rows ? 1 : end - begin;
-    int8_t* wide = treeserve_cpu::wide_buffer(span * G * kCodes8Bytes);
-    for (int64_t nb = begin; nb < end; nb += span) {
-      const int64_t n = std::min(span, end - nb);
-      treeserve_cpu::unpack_codes5(reinterpret_cast<const uint8_t*>(cp) + nb * G * treeserve_cpu::kCodes5Bytes, n * G,
-                                   offset, wide);
-      blocks(wide, sp + nb * G * scale_floats, zp ? zp + nb * G * 16 : nullptr, static_cast<char*>(y.data_ptr()) + nb * 16 * out_bytes, 0, n);
-    }
+    // Five-bit codes: widened a block at a time (codes5.h), the same products.
+    treeserve_cpu::over_five_bit_blocks(cp, sp, zp, y.data_ptr(), M, G, kCodes8Rows, halves ? 32 : 16,
+                                        float_out ? 4 : 2, offset, begin, end,
+                                        [&](const int8_t* c, const float* s, const float* z, char* out, int64_t n) {
+                                          blocks(c, s, z, out, 0, n);
+                                        });
   });
   free(xq);
   free(f);
