@@ -31,7 +31,8 @@ and llama.cpp's decode tokens/s on the same file under the same competitor:
 {"quiet_tok_s", "contended_tok_s", "ratio"}}}``.
 
 llama-cpp-python is a bench-only extra, never a dependency (build flags for this CPU in
-``bench/RESULTS.md``). JSON shape: ``{"roofline_gb_s", "default_format", "formats": {NAME:
+``bench/RESULTS.md``). JSON shape: ``{"roofline_gb_s", "default_format", "kernel_paths": {KERNEL:
+PATH} (the instruction-set path each CPU kernel took), "formats": {NAME:
 {"decode_tok_s", "tree_ratio": {"4","16","64"}, "batch_tok_s": {"16","64"}, "weight_gb_s",
 "roofline_fraction", "agreement_with_float32", "load_s", "compile_s"}}, "e2e": {...}}``.
 """
@@ -288,6 +289,29 @@ def measure_format(name: str, args: argparse.Namespace, prompts: list[list[int]]
     return entry, model
 
 
+def kernel_paths() -> dict[str, str]:
+    """The instruction-set path each CPU kernel takes in this process (``TREESERVE_ISA`` applied)."""
+    from treeserve.ops.kernels import codes8, cpp_build, decode_layers, dense_cpu, q4_amx, q8_amx, tree_attention_cpu
+
+    wide = "AVX-512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags() else "AVX2"
+    q4 = ("int8 rows, AVX2 (q_avx2.cpp)" if q4_amx.avx2() else "int8 rows, AVX512-VNNI (q4_amx.cpp)"
+          if q4_amx.int8_rows() else "bf16, AVX-512 and AMX tiles (q4_amx.cpp)" if q4_amx.tiles()
+          else "bf16, AVX-512 (q4_amx.cpp)" if q4_amx.available() else "torch's int4 kernel")
+    c8 = ("int8 rows, AVX2 (q_avx2.cpp)" if codes8.avx2() else "int8 rows, AVX512-VNNI (q4_amx.cpp)"
+          if codes8.available() else "none: q4_1 or bfloat16")
+    head = ("int16 rows, AVX2 (q_avx2.cpp)" if q8_amx.int16_rows() else "AVX-512 (q8_amx.cpp)"
+            if q8_amx.available() else "bfloat16")
+    return {
+        "isa_cap": cpp_build.isa_cap(),
+        "q4_products": q4,
+        "codes8_products": c8,
+        "int_head": head,
+        "one_op": f"decode_layers.cpp, {wide} build" if decode_layers.available() else "none: the compiled step",
+        "attention": f"tree_attention_cpu.cpp, {wide} build" if tree_attention_cpu.available() else "torch's",
+        "float32_products": f"dense_cpu.cpp, {wide} build" if dense_cpu.available() else "F.linear",
+    }
+
+
 COMPETITORS = {
     "spin": "while True: pass",
     "torch2": "import torch\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\nwhile True: a @ a",
@@ -362,6 +386,7 @@ def main() -> None:
         parser.error(f"unknown formats {unknown}; known: {', '.join(KNOWN_FORMATS)}")
     if args.contend:
         found = {"model": args.model, "threads": torch.get_num_threads(), "competitor": args.competitor,
+                 "kernel_paths": kernel_paths(),
                  "contention": contention(args, formats)}
         print(json.dumps(found, indent=1))
         return
@@ -384,7 +409,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cache_length": CACHE_LENGTH, "tree_shape": "complete binary tree",
-        "roofline_gb_s": None, "default_format": DEFAULT_FORMAT, "formats": {},
+        "roofline_gb_s": None, "default_format": DEFAULT_FORMAT, "kernel_paths": kernel_paths(), "formats": {},
         "agreement_prompts": len(prompts), "agreement_tokens": sum(len(a) for a in answers),
     }
     e2e: dict[str, Any] = {"prompt_tokens": E2E_PROMPT_TOKENS, "new_tokens": E2E_NEW_TOKENS, "format": DEFAULT_FORMAT,

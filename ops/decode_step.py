@@ -401,11 +401,11 @@ def artifact_name(model: Transformer, *, kind: str = "decode", weight_format: st
     import platform
 
     from treeserve.ops import formats, model as model_module
-    from treeserve.ops.kernels import avx2, q4_amx, q8_amx
+    from treeserve.ops.kernels import avx2, dense_cpu, q4_amx, q8_amx
 
-    modules = (model_module, formats, q4_amx, q8_amx, avx2, tree_attention_cpu)
+    modules = (model_module, formats, q4_amx, q8_amx, avx2, tree_attention_cpu, dense_cpu)
     files = [Path(m.__file__) for m in modules if m.__file__] + [
-        Path(__file__), q4_amx.SOURCE, q8_amx.SOURCE, avx2.SOURCE, tree_attention_cpu.SOURCE]
+        Path(__file__), q4_amx.SOURCE, q8_amx.SOURCE, avx2.SOURCE, tree_attention_cpu.SOURCE, dense_cpu.SOURCE]
     sources = b"".join(path.read_bytes() for path in [*files, *extra_files])
     fmt = model.weight_format if weight_format is None else weight_format
     key = "|".join([
@@ -413,5 +413,6 @@ def artifact_name(model: Transformer, *, kind: str = "decode", weight_format: st
         torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
         hashlib.sha256(sources).hexdigest(), f"q4={(q4_amx.available(), q4_amx.tiles(), q4_amx.int8_rows(), q4_amx.avx2()) if model.weight_format in ('q4_1', 'gguf') else None}",
         f"tree_attention_cpu={tree_attention_cpu.available()}",
+        f"dense_cpu={dense_cpu.available() if model.weight_format == 'float32' else None}",
     ])
     return f"{kind}-{fmt}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"

@@ -9,7 +9,8 @@ names), and swaps every linear, the LM head included, for the format's kernel.
 =========== ============ ==================================================================
 format      activations  weights and kernel (CPU)
 =========== ============ ==================================================================
-float32     float32      float32, ``F.linear`` (the exact reference of every test)
+float32     float32      float32: ``kernels/dense_cpu`` (AVX-512 or AVX2; one summation
+                         order at every row count), else ``F.linear``
 bfloat16    bfloat16     bfloat16 prepacked for oneDNN (AMX/AVX512-BF16 on this CPU;
                          ``F.linear`` where oneDNN has no bf16, :func:`onednn_bf16`)
 int8        bfloat16     int8 per output row (symmetric, bf16 scale), ``_weight_int8pack_mm``
@@ -43,8 +44,10 @@ forward runs the one op of ``kernels/decode_layers``, whose norms and attention 
 on the other rows either: greedy speculation, batching, prefill chunking and ``--compile`` give
 the same tokens as incremental decoding, bit for bit (``tests/ops/test_row_invariance.py``).
 The gguf format makes the same promise on the same kernels (``tests/ops/test_gguf_format.py``).
-bfloat16 and int8 do not promise this yet: oneDNN's and torch's GEMMs change their summation
-order with the row count; float32 agrees across shapes to about 1e-4 in logits.
+float32's products on ``kernels/dense_cpu`` sum in one order at every row count too (its
+attention does not promise it yet); bfloat16 and int8 do not promise it: oneDNN's and torch's
+GEMMs change their summation order with the row count. The unformatted float32 model
+(``nn.Linear``, ``F.linear``) stays the reference of the tests.
 
 **q4_1 and the GGUF.** A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 and
 ``d, m`` float16. The int4 kernel computes ``(q - 8) * scale + zero`` with ``scale = d`` and
@@ -77,7 +80,7 @@ from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
 from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
 from treeserve.ops.format_names import WeightFormat as WeightFormat
 from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks, concat_rows
-from treeserve.ops.kernels import codes8, q4_amx, q8_amx
+from treeserve.ops.kernels import codes8, dense_cpu, q4_amx, q8_amx
 from treeserve.ops.model import Block, ModelConfig, Transformer
 
 Q4_GROUP = 32
@@ -147,6 +150,14 @@ class DenseLinear(nn.Module):
     def num_weight_bytes(self) -> int:
         """Bytes one forward reads of this weight."""
         return self.weight.numel() * self.weight.element_size()
+
+
+class Float32Linear(DenseLinear):
+    """The float32 format's linear on CPU: ``kernels/dense_cpu`` (every product split over the
+    threads as they come free, one summation order at every row count)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dense_cpu.mm(x, self.weight, self.bias)
 
 
 @torch.library.custom_op("treeserve::onednn_linear", mutates_args=())
@@ -442,7 +453,8 @@ def make_linear(
         dtype = fmt.activation_dtype
         return DenseLinear(weight.to(device, dtype), None if bias is None else bias.to(device, dtype))
     if fmt is WeightFormat.FLOAT32:
-        return DenseLinear(weight.float(), None if bias is None else bias.float())
+        kind = Float32Linear if dense_cpu.available() else DenseLinear
+        return kind(weight.float(), None if bias is None else bias.float())
     if fmt is WeightFormat.BFLOAT16:
         if not onednn_bf16():
             return DenseLinear(weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 """The AVX-512 subsets every kernel here may use (Skylake-SP and later)."""
+AVX2 = ("-mavx2", "-mfma", "-mf16c")
+"""The build of a ``simd16.h`` kernel for a CPU without AVX-512 (two ymm halves a vector)."""
 
 
 def build_dir() -> Path:
@@ -73,6 +75,16 @@ def cpu_flags() -> frozenset[str]:
                 flags = frozenset(f for f in flags if not f.startswith("avx512"))
             return flags
     return frozenset()
+
+
+def simd16_flags() -> tuple[str, ...] | None:
+    """The build a ``simd16.h`` kernel takes on this CPU (:func:`cpu_flags`, so ``TREESERVE_ISA``
+    applies): :data:`AVX512` where it has those four subsets, else :data:`AVX2` where it has
+    AVX2, FMA and F16C, else None (no build)."""
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return AVX512
+    return AVX2 if {"avx2", "fma", "f16c"} <= flags else None
 
 
 def _torch_flags() -> list[str]:

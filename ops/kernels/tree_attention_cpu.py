@@ -33,8 +33,6 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 """Added where the CPU also has AMX-BF16 (used only where Linux grants this process the tiles):
 bfloat16 trees of more query rows per KV group than one vector item takes run on tiles
 (``attend_tiles``: a 16-node tree of the default model and larger)."""
-AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-"""The build for a CPU without AVX-512 (``simd16.h``'s AVX2 backend: two ymm halves a vector)."""
 MAX_HEAD_DIM = 128
 MAX_GROUP = 16
 """The most query heads per KV head (one item's rows; more would need the group split)."""
@@ -61,8 +59,7 @@ def available() -> bool:
         if _loaded is None:
             _loaded = False
             flags = cpp_build.cpu_flags()
-            chosen = FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else (
-                AVX2_FLAGS if {"avx2", "fma", "f16c"} <= flags else None)
+            chosen = cpp_build.simd16_flags()
             if chosen == FLAGS and "avx512_bf16" in flags:
                 chosen = (*FLAGS, *BF16_FLAGS)
                 if {"amx_tile", "amx_bf16"} <= flags:  # many new tokens on tiles, where the OS grants them
