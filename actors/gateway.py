@@ -30,6 +30,7 @@ from treeserve.actors.gateway_peers import ClientPeers, cut_off_error
 from treeserve.actors.gateway_request import GenerateRequest, InvalidRequest, parse_generate
 from treeserve.actors.gateway_stream import (
     chat_roles_for,
+    check_fits,
     error_reply,
     prompt_ids_for,
     relay_generation,
@@ -441,6 +442,7 @@ class GatewayActor(Actor):
 
     async def _generate(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:
         prompt_ids = prompt_ids_for(self._tokenizer, req, self.config.context_length)
+        check_fits(len(prompt_ids), req.max_tokens, self.config.context_length)
         scheduler = self._scheduler if isinstance(self._scheduler, ActorRef) else self._scheduler()
 
         async def send_item(body: dict[str, Any]) -> None:

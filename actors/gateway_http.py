@@ -247,6 +247,8 @@ class HttpGateway:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError.bad_request(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:  # the decoder recurses once per level of nesting
+            raise ApiError.bad_request("the request body is nested too deeply") from None
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         cfg = self.config

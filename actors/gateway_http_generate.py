@@ -34,7 +34,7 @@ from treeserve.actors.gateway_http_openai import (
     usage_of,
 )
 from treeserve.actors.gateway_request import InvalidRequest, parse_generate
-from treeserve.actors.gateway_stream import prompt_ids_for, relay_generation, scheduler_body
+from treeserve.actors.gateway_stream import check_fits, prompt_ids_for, relay_generation, scheduler_body
 from treeserve.runtime.ref import ActorRef
 
 __all__ = ["Generation", "HttpBackend", "SseStream", "dumps", "new_head", "prepare_generation", "run_generation"]
@@ -87,10 +87,11 @@ def prepare_generation(backend: HttpBackend, request: OpenAIRequest) -> Generati
         req = parse_generate(request.wire, vocab_size=backend.vocab_size, context_length=backend.context_length,
                              max_prompt_chars=backend.max_prompt_chars, roles=backend.roles)
         prompt_ids = prompt_ids_for(backend.tokenizer, req, backend.context_length)
-    except InvalidRequest as exc:
-        raise ApiError.bad_request(str(exc)) from None
-    if not request.has_max_tokens:
-        req = replace(req, max_tokens=default_max_tokens(request.endpoint, len(prompt_ids), backend.context_length))
+        if not request.has_max_tokens:
+            req = replace(req, max_tokens=default_max_tokens(request.endpoint, len(prompt_ids), backend.context_length))
+        check_fits(len(prompt_ids), req.max_tokens, backend.context_length)
+    except InvalidRequest as exc:  # the wire's prompt_ids are the API's token-id prompt
+        raise ApiError.bad_request(str(exc), "prompt" if exc.param == "prompt_ids" else exc.param) from None
     return Generation(request, scheduler_body(req, prompt_ids, backend.stop_ids), req.stop, req.speculate.value)
 
 

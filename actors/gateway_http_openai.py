@@ -86,12 +86,15 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, type_: str, code: str, param: str | None = None,
                  retry_after_s: int | None = None) -> None:
+        # The message and param may quote the client's own text: a lone surrogate there is
+        # written as its escape, since no UTF-8 body can carry it.
+        message = _utf8_safe(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
-        self.param = param
+        self.param = None if param is None else _utf8_safe(param)
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
@@ -100,6 +103,10 @@ class ApiError(Exception):
     @classmethod
     def bad_request(cls, message: str, param: str | None = None) -> ApiError:
         return cls(400, message, type_="invalid_request_error", code=ErrorCode.INVALID_REQUEST.value, param=param)
+
+
+def _utf8_safe(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def api_error_from(exc: Exception, *, overloaded_retry_after_s: int, unavailable_retry_after_s: int) -> ApiError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,14 @@ GENERATE_FIELDS: frozenset[str] = frozenset(
 
 class InvalidRequest(ValueError):
     """A client request was rejected; the message says which field and why, and is sent
-    back verbatim as an ``invalid_request`` error."""
+    back verbatim as an ``invalid_request`` error. ``param``: the field at fault, given, or
+    else the one the message starts with (``'max_tokens' must be ...``); None for the body
+    as a whole."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        named = re.match(r"'([a-z_]+)'", message)
+        self.param = param if param is not None else named.group(1) if named else None
 
 
 class Speculate(enum.StrEnum):
@@ -162,6 +170,16 @@ def _token_ids(value: object, key: str, vocab_size: int, max_len: int) -> tuple[
     return tuple(value)
 
 
+def _unicode(text: str, key: str) -> str:
+    """``text``, refused where it holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one):
+    no UTF-8 encodes it, and the tokenizer would fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"'{key}' is not valid Unicode: a lone surrogate at character {exc.start}", key) from None
+    return text
+
+
 def _stop_strings(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -174,6 +192,7 @@ def _stop_strings(value: object) -> tuple[str, ...]:
             raise InvalidRequest(f"'stop'[{index}] must be a non-empty str, got {_shown(stop, str)}")
         if len(stop) > MAX_STOP_CHARS:
             raise InvalidRequest(f"'stop'[{index}] has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed")
+        _unicode(stop, "stop")
     return tuple(value)
 
 
@@ -206,6 +225,7 @@ def _messages(value: object, max_prompt_chars: int, roles: Collection[str]) -> t
             raise InvalidRequest(f"'messages'[{index}].role must be one of {sorted(roles)}, got {wire_repr(role)}")
         if not isinstance(content, str):
             raise InvalidRequest(f"'messages'[{index}].content must be a str, got {wire_type(content)}")
+        _unicode(content, "messages")
         num_chars += len(content)  # code points of content; role names do not count
         out.append(ChatMessage(role, content))
     if num_chars > max_prompt_chars:
@@ -261,6 +281,7 @@ def parse_generate(
             raise InvalidRequest(
                 f"'prompt' has {len(prompt)} characters; at most {max_prompt_chars} are allowed"
             )
+        _unicode(prompt, "prompt")
     elif given == ["messages"]:
         messages = _messages(body["messages"], max_prompt_chars, roles)
     else:

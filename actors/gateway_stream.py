@@ -26,6 +26,7 @@ __all__ = [
     "STAT_KEYS",
     "StopMatcher",
     "chat_roles_for",
+    "check_fits",
     "error_reply",
     "prompt_ids_for",
     "relay_generation",
@@ -87,14 +88,24 @@ def prompt_ids_for(tokenizer: TokenizerLike, req: GenerateRequest, context_lengt
                 ids = [int(t) for t in tokenizer.encode(tokenizer.apply_chat_template(messages))]
         except Exception as exc:  # template errors are about the client's messages
             raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
+    field = "messages" if req.messages is not None else "prompt"  # the API's name for token ids too
     if not ids:
-        raise InvalidRequest("the prompt tokenizes to no tokens")
+        raise InvalidRequest("the prompt tokenizes to no tokens", field)
     if len(ids) >= context_length:
         raise InvalidRequest(
             f"the prompt is {len(ids)} tokens; the context holds {context_length} tokens "
-            "including at least one generated token"
+            "including at least one generated token", field
         )
     return ids
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    """Refuse a request whose prompt and ``max_tokens`` together overrun the context."""
+    if num_prompt_tokens + max_tokens > context_length:
+        raise InvalidRequest(
+            f"'max_tokens' ({max_tokens}) and the prompt ({num_prompt_tokens} tokens) do not fit the context of "
+            f"{context_length} tokens: send max_tokens of at most {context_length - num_prompt_tokens}", "max_tokens"
+        )
 
 
 def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> dict[str, Any]:

@@ -32,6 +32,21 @@ from treeserve.cli_common import (
 GENERATE_ROWS = 1
 """The embedded server's KV-cache rows: one request."""
 
+CONTEXT_ROOM = 2048
+"""The prompt tokens the embedded server's context holds beside ``--max-tokens`` by default."""
+MIN_CONTEXT, MAX_DEFAULT_SLOTS = 512, 8192
+"""The default context's bounds: at least 512 tokens, and KV rows of at most 8192 slots (the
+context and a speculation tree's slots; ``--context`` may go past it)."""
+
+
+def served_context(args: argparse.Namespace, tree_slots: int) -> int:
+    """The tokens the embedded server's one request may hold, prompt and answer: ``--context``, or
+    ``--max-tokens`` + :data:`CONTEXT_ROOM`, at least :data:`MIN_CONTEXT`, in rows of at most
+    :data:`MAX_DEFAULT_SLOTS` with ``tree_slots`` more for a tree."""
+    if args.context is not None:
+        return int(args.context)
+    return min(MAX_DEFAULT_SLOTS - tree_slots, max(MIN_CONTEXT, args.max_tokens + CONTEXT_ROOM))
+
 COMPILE_MIN_TOKENS = 512
 """``--compile auto`` uses the compiled decode step from this many ``--max-tokens`` on. Loading
 a saved step takes 3-4 s (imports and unpickling) and saves about 11 ms a step on the default
@@ -44,6 +59,10 @@ def add_generate_parser(sub: Any) -> None:
     gen.add_argument("prompt", help="the user message (wrapped in the model's chat template unless --raw)")
     add_model_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--context", type=int, default=None, metavar="N",
+                     help=f"tokens the request may hold, prompt and answer (default: --max-tokens + {CONTEXT_ROOM}, "
+                          f"at least {MIN_CONTEXT}, in KV rows of at most {MAX_DEFAULT_SLOTS} slots with a tree's; "
+                          "the model's own context bounds it; --in-process: the model's context)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=None)
@@ -132,7 +151,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
 
     from treeserve.cli_serve import server_config
     from treeserve.client import Client, ServerError
-    from treeserve.server import Server
+    from treeserve.server import Server, ServerConfig
     from treeserve.server_devices import DeviceUnavailableError
 
     with tempfile.TemporaryDirectory(prefix="treeserve-") as tmp:
@@ -143,7 +162,7 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
             dtype=args.dtype,
             device=args.device,
             num_rows=GENERATE_ROWS,
-            row_capacity=min(8192, max(512, args.max_tokens + 2048)),
+            row_capacity=served_context(args, ServerConfig.max_tree_nodes) + ServerConfig.max_tree_nodes,
             speculators=tuple(s.to_wire() for s in specs),
             compile_decode=compile_decode(args),
         )
@@ -160,7 +179,10 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
                 elapsed = time.perf_counter() - started
                 weight_format = server.model_info.get("weight_format", config.dtype)
         except (ServerError, DeviceUnavailableError) as exc:
-            raise UserError(f"{exc}") from None
+            hint = ""
+            if isinstance(exc, ServerError) and exc.code == "invalid_request" and "context" in str(exc):
+                hint = " (--context N raises generate's context)"
+            raise UserError(f"{exc}{hint}") from None
     return {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
@@ -241,6 +263,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Print one completion (or, with ``--json``, one JSON object with its stats)."""
     if not args.prompt:
         raise UserError("the prompt is empty")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.context is not None and args.context < 2:
+        raise UserError(f"--context must be at least 2 (a prompt token and an answer's), got {args.context}")
     if args.stop and args.in_process:
         raise UserError("--stop needs the server path (stop strings are matched by the gateway); drop --in-process")
     body = generate_body(args)

@@ -79,46 +79,53 @@ async def test_api_key_is_required_and_checked(keyed: Any) -> None:
         assert [m.id for m in (await api.models.list()).data] == [MODEL]
 
 
-BAD_REQUESTS: list[tuple[str, str, Any, str]] = [
-    ("/v1/chat/completions", "not json", b"{'model': 1", ""),
-    ("/v1/chat/completions", "an array", [], "JSON object"),
-    ("/v1/chat/completions", "no model", {"messages": [{"role": "user", "content": "w7"}]}, "'model'"),
-    ("/v1/chat/completions", "a typo", chat(temprature=0.5), "temprature"),
-    ("/v1/chat/completions", "n > 1", chat(n=2), "'n'"),
-    ("/v1/chat/completions", "stream not a bool", chat(stream="yes"), "'stream'"),
+BAD_REQUESTS: list[tuple[str, str, Any, str, str | None]] = [
+    ("/v1/chat/completions", "not json", b"{'model': 1", "", None),
+    ("/v1/chat/completions", "an array", [], "JSON object", None),
+    ("/v1/chat/completions", "no model", {"messages": [{"role": "user", "content": "w7"}]}, "'model'", 'model'),
+    ("/v1/chat/completions", "a typo", chat(temprature=0.5), "temprature", 'temprature'),
+    ("/v1/chat/completions", "n > 1", chat(n=2), "'n'", 'n'),
+    ("/v1/chat/completions", "stream not a bool", chat(stream="yes"), "'stream'", 'stream'),
     ("/v1/chat/completions", "stream_options without stream", chat(stream_options={"include_usage": True}),
-     "stream_options"),
-    ("/v1/chat/completions", "negative temperature", chat(temperature=-1), "temperature"),
-    ("/v1/chat/completions", "top_p above 1", chat(top_p=1.5), "top_p"),
-    ("/v1/chat/completions", "max_tokens 0", chat(max_tokens=0), "max_tokens"),
-    ("/v1/chat/completions", "max_tokens beyond the context", chat(max_tokens=143), "context"),
+     "stream_options", 'stream_options'),
+    ("/v1/chat/completions", "negative temperature", chat(temperature=-1), "temperature", 'temperature'),
+    ("/v1/chat/completions", "top_p above 1", chat(top_p=1.5), "top_p", 'top_p'),
+    ("/v1/chat/completions", "max_tokens 0", chat(max_tokens=0), "max_tokens", 'max_tokens'),
+    ("/v1/chat/completions", "max_tokens beyond the context", chat(max_tokens=143), "context", 'max_tokens'),
     ("/v1/chat/completions", "a stream whose max_tokens is beyond the context", chat(max_tokens=143, stream=True),
-     "context"),
+     "context", 'max_tokens'),
     ("/v1/chat/completions", "max_tokens and max_completion_tokens differ", chat(max_completion_tokens=9),
-     "max_completion_tokens"),
-    ("/v1/chat/completions", "an unknown role", chat() | {"messages": [{"role": "wizard", "content": "w7"}]}, "role"),
-    ("/v1/chat/completions", "no messages", chat() | {"messages": []}, "messages"),
+     "max_completion_tokens", 'max_completion_tokens'),
+    ("/v1/chat/completions", "an unknown role", chat() | {"messages": [{"role": "wizard", "content": "w7"}]}, "role", 'messages'),
+    ("/v1/chat/completions", "no messages", chat() | {"messages": []}, "messages", 'messages'),
     ("/v1/chat/completions", "an image part", chat() | {"messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts"),
-    ("/v1/chat/completions", "a penalty", chat(frequency_penalty=0.5), "frequency_penalty"),
-    ("/v1/chat/completions", "logprobs", chat(logprobs=True), "logprobs"),
-    ("/v1/chat/completions", "a negative seed", chat(seed=-1), "seed"),
-    ("/v1/chat/completions", "an unknown extension", chat(treeserve={"speculate": "tree", "width": 3}), "width"),
-    ("/v1/completions", "a batch of prompts", {"model": MODEL, "prompt": ["w7", "w8"]}, "batched"),
-    ("/v1/completions", "token ids outside the vocabulary", {"model": MODEL, "prompt": [5, 100000]}, "vocabulary"),
-    ("/v1/completions", "no prompt", {"model": MODEL}, "'prompt'"),
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts", 'messages'),
+    ("/v1/chat/completions", "a penalty", chat(frequency_penalty=0.5), "frequency_penalty", 'frequency_penalty'),
+    ("/v1/chat/completions", "logprobs", chat(logprobs=True), "logprobs", 'logprobs'),
+    ("/v1/chat/completions", "a negative seed", chat(seed=-1), "seed", 'seed'),
+    ("/v1/chat/completions", "an unknown extension", chat(treeserve={"speculate": "tree", "width": 3}), "width", 'treeserve'),
+    ("/v1/completions", "a batch of prompts", {"model": MODEL, "prompt": ["w7", "w8"]}, "batched", 'prompt'),
+    ("/v1/completions", "token ids outside the vocabulary", {"model": MODEL, "prompt": [5, 100000]}, "vocabulary", 'prompt'),
+    ("/v1/completions", "no prompt", {"model": MODEL}, "'prompt'", 'prompt'),
+    ("/v1/chat/completions", "JSON nested 20,000 arrays deep", b"[" * 20000 + b"]" * 20000, "nested too deeply", None),
+    ("/v1/chat/completions", "a lone surrogate in a message", json.dumps(chat("\ud800 hello")).encode(), "lone surrogate",
+     "messages"),
+    ("/v1/completions", "a lone surrogate in the prompt", json.dumps({"model": MODEL, "prompt": "\ud800 hello"}).encode(),
+     "lone surrogate", "prompt"),
+    ("/v1/chat/completions", "a lone surrogate in a stop string", json.dumps(chat(stop=["\udfff"])).encode(), "lone surrogate",
+     "stop"),
 ]
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_bad_requests_are_400s_and_the_server_keeps_serving(keyed: Any) -> None:
     async with httpx.AsyncClient(base_url=keyed.http_url, headers=AUTH) as http:
-        for path, what, body, needle in BAD_REQUESTS:
+        for path, what, body, needle, param in BAD_REQUESTS:
             sent = {"content": body} if isinstance(body, bytes) else {"json": body}
             response = await http.post(path, **sent)
             assert response.status_code == 400, (what, response.text)
             error = assert_error(response, 400, "invalid_request", "invalid_request_error")
-            assert needle in error["message"], (what, error)
+            assert needle in error["message"] and error["param"] == param, (what, error)
         # Neutral values of unsupported options are fine, as are nulls for optional fields.
         fine = chat(n=1, frequency_penalty=0, logprobs=False, temperature=None, seed=None, stop=None, user="me")
         done = await http.post("/v1/chat/completions", json=fine)

@@ -86,3 +86,24 @@ def test_serve_flag_defaults_are_the_server_configs() -> None:
         ServerConfig(scheduler="sjf-oracle")
     with pytest.raises(ValueError, match="needs 'path'"):
         ServerConfig(speculators=({"kind": "distilled", "expansion": [2]},))
+
+
+def test_generate_names_its_limits_and_the_flags_that_raise_them(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny.write_tiny_hf_model(tmp_path / "tiny", max_seq_len=4096)
+
+    def refused(*flags: str) -> str:
+        with pytest.raises(SystemExit) as exited:
+            main(["generate", "--model", str(folder), "--raw", "--speculate", "none", *flags])
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--max-tokens must be at least 1, got -5" in refused("w5", "--max-tokens", "-5")
+    long_prompt = " ".join(["w7"] * 600)  # 600 tokens: past a --context of 512
+    error = refused(long_prompt, "--max-tokens", "4", "--context", "512")
+    assert "the context holds 512 tokens" in error and "--context N raises" in error
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", long_prompt, "--model", str(folder), "--raw", "--speculate", "none", "--max-tokens", "4",
+              "--context", "700", "--json"])
+    assert exited.value.code == 0
+    assert json.loads(capsys.readouterr().out)["num_prompt_tokens"] == 600
