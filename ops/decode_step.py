@@ -47,7 +47,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from treeserve.ops.kernels import decode_layers, tree_attention_cpu
+from treeserve.ops import fused_step
+from treeserve.ops.kernels import tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer, apply_rope
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask, window_mask
@@ -312,8 +313,8 @@ class DecodeStep(CompiledStep):
 
     def __init__(self, model: Transformer, *, artifact: str | Path | None = None) -> None:
         super().__init__(model, artifact=artifact)
-        self._fused: list[Tensor] | None = None  # decode_layers.weights once fuse() took
-        self._kernel: int | None = None  # decode_layers.kernel_of, likewise
+        self._fused: list[Tensor] | None = None  # fused_step.weights once fuse() took
+        self._kernel: int | None = None  # fused_step.kernel_of, likewise
 
     def _example_args(self) -> tuple[object, ...]:
         cache, positions, tree_mask, num_slots = self._example_cache()
@@ -328,9 +329,9 @@ class DecodeStep(CompiledStep):
         answer per row at every shape, no Python per op, and nothing to compile or load
         (:meth:`prepare` then does nothing). The step then takes any number of new tokens a row,
         so the model's prefills run it too. Returns whether it does."""
-        if self._fused is None and decode_layers.fits(self.model):
-            self._kernel = decode_layers.kernel_of(self.model)
-            self._fused = decode_layers.weights(self.model)
+        if self._fused is None and fused_step.fits(self.model):
+            self._kernel = fused_step.kernel_of(self.model)
+            self._fused = fused_step.weights(self.model)
         return self._fused is not None
 
     @property
@@ -363,7 +364,7 @@ class DecodeStep(CompiledStep):
         cache.begin_write(num_new)
         assert self._fused is not None and self._kernel is not None
         if tree_mask is not None or num_new <= PREFILL_PIECE:
-            return decode_layers.run(self.model, self._fused, self.model.embed(tokens), positions, tree_mask,
+            return fused_step.run(self.model, self._fused, self.model.embed(tokens), positions, tree_mask,
                                      cache.lengths, cache.keys, cache.values, self._kernel)
         # A long causal chain (a prefill) in pieces, each over the pieces before it as its
         # prefix: the same bits (no row depends on the others), and the attention's partial sums
@@ -371,7 +372,7 @@ class DecodeStep(CompiledStep):
         pieces = []
         for start in range(0, num_new, PREFILL_PIECE):
             stop = min(num_new, start + PREFILL_PIECE)
-            pieces.append(decode_layers.run(
+            pieces.append(fused_step.run(
                 self.model, self._fused, self.model.embed(tokens[:, start:stop]), positions[:, start:stop], None,
                 cache.lengths + start, cache.keys, cache.values, self._kernel))
         return torch.cat(pieces, dim=1)

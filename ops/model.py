@@ -15,7 +15,7 @@ every node's logits equal those of a plain causal pass over its root-to-node pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast, overload
+from typing import Literal, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,17 @@ from treeserve.ops.tree_attention import (
     window_mask,
 )
 
-if TYPE_CHECKING:
-    from treeserve.ops.decode_step import DecodeStep
+
+class AttachedStep(Protocol):
+    """What a model asks of the step attached for serving (``decode_step.DecodeStep``): it runs
+    every forward of at most ``max_new`` new tokens per row, or every forward once fused."""
+
+    max_new: int
+
+    @property
+    def is_fused(self) -> bool: ...
+
+    def __call__(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -307,7 +316,7 @@ class Transformer(nn.Module):
         # decode_step.DecodeStep, attached for serving: runs every forward of at most
         # decode_step.max_new new tokens per row (decode steps and trees), or, once fused (q4_1),
         # every forward; see _hidden_states.
-        self.decode_step: DecodeStep | None = None
+        self.decode_step: AttachedStep | None = None
         # Under init=False from_state_dict sets the tables (torch.arange on meta would also
         # import torch._dynamo).
         if init:

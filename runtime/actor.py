@@ -6,19 +6,37 @@ import enum
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
+from treeserve.runtime.errors import ActorError
+from treeserve.runtime.ref import ActorRef
 from treeserve.runtime.tasks import TaskOwner
+from treeserve.transport.messages import ActorAddress
 
-if TYPE_CHECKING:
-    from treeserve.runtime.node import Node
-    from treeserve.runtime.ref import ActorRef
-
-__all__ = ["Actor", "HandlerKind", "HandlerSpec", "handler", "stream_handler"]
+__all__ = ["Actor", "ActorNode", "HandlerKind", "HandlerSpec", "handler", "stream_handler"]
 
 _ATTR = "__treeserve_handler__"
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ActorNode(Protocol):
+    """What an actor may ask of the node that hosts it (``node.Node``): its endpoint, refs to
+    other actors, hosting and stopping actors beside it, and marking another node down or up."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def ref(self, address: ActorAddress) -> ActorRef: ...
+
+    async def host(self, name: str, actor: Actor, mailbox_size: int | None = None,
+                   on_failure: Callable[[BaseException], None] | None = None) -> ActorRef: ...
+
+    async def stop_actor(self, name: str, timeout_s: float) -> None: ...
+
+    def mark_down(self, endpoint: str, exc: ActorError) -> None: ...
+
+    def mark_up(self, endpoint: str) -> None: ...
 
 
 class HandlerKind(enum.Enum):
@@ -89,7 +107,7 @@ class Actor:
     handlers: ClassVar[dict[str, HandlerSpec]] = {}
 
     _ref: ActorRef | None = None
-    _node: Node | None = None
+    _node: ActorNode | None = None
     _tasks: TaskOwner | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -107,7 +125,7 @@ class Actor:
                     del table[name]  # overridden by a non-handler
         cls.handlers = table
 
-    def attach(self, node: Node, ref: ActorRef, on_failure: Callable[[BaseException], None] | None = None) -> None:
+    def attach(self, node: ActorNode, ref: ActorRef, on_failure: Callable[[BaseException], None] | None = None) -> None:
         """Called by the runtime before ``on_start``; binds the actor to its node.
         ``on_failure`` hears of every owned task that dies of an exception."""
         self._node = node
@@ -129,7 +147,7 @@ class Actor:
         return self._ref
 
     @property
-    def node(self) -> Node:
+    def node(self) -> ActorNode:
         """The node hosting this actor (use ``node.ref(address)`` to call other actors)."""
         if self._node is None:
             raise RuntimeError(f"{type(self).__qualname__} is not attached to a runtime yet")

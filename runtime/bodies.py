@@ -3,12 +3,10 @@ runtime form (``ActorRef``), so refs can travel inside any body."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from treeserve.runtime.ref import ActorRef, RefNode
 from treeserve.transport.messages import ActorAddress
-
-if TYPE_CHECKING:
-    from treeserve.runtime.node import Node
 
 __all__ = ["body_from_wire", "body_to_wire"]
 
@@ -25,8 +23,6 @@ def body_to_wire(body: Any) -> Any:
 
 
 def _to_wire(value: Any) -> Any:
-    from treeserve.runtime.ref import ActorRef
-
     if isinstance(value, ActorRef):
         return value.address
     if isinstance(value, list | tuple):
@@ -46,7 +42,7 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-def body_from_wire(body: Any, node: Node) -> Any:
+def body_from_wire(body: Any, node: RefNode) -> Any:
     """Replace every ``ActorAddress`` in a decoded ``body`` by an ``ActorRef`` bound to
     ``node``. Decoded containers are fresh, so they are updated in place."""
     if type(body) in _LEAVES:

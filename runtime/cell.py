@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from treeserve.runtime.actor import Actor, HandlerKind, HandlerSpec
 from treeserve.runtime.calls import Envelope, EnvelopeState
 from treeserve.runtime.errors import ActorDeadError, ActorError, CallCancelled, DeadlineExceeded
+from treeserve.runtime.stats import NodeStats
+from treeserve.runtime.tasks import TaskOwner
 
-if TYPE_CHECKING:
-    from treeserve.runtime.node import Node
+__all__ = ["ActorCell", "CellNode"]
 
-__all__ = ["ActorCell"]
+
+class CellNode(Protocol):
+    """What a cell needs of its node (``node.Node``): its tasks, its counters, and the ways to
+    answer a call."""
+
+    tasks: TaskOwner
+    stats: NodeStats
+
+    def finish_reply(self, env: Envelope, result: Any) -> None: ...
+
+    def finish_error(self, env: Envelope, exc: BaseException) -> None: ...
+
+    async def stream_item(self, env: Envelope, seq: int, item: Any) -> None: ...
+
+    def finish_stream(self, env: Envelope, seq: int) -> None: ...
 
 _log = logging.getLogger(__name__)
 
@@ -43,7 +58,7 @@ class ActorCell:
     whose deadline passed while queued is dropped without running.
     """
 
-    def __init__(self, node: Node, name: str, actor: Actor, mailbox_size: int) -> None:
+    def __init__(self, node: CellNode, name: str, actor: Actor, mailbox_size: int) -> None:
         self.name = name
         self.actor = actor
         self.handlers: dict[str, HandlerSpec] = type(actor).handlers

@@ -185,6 +185,10 @@ class Node:
         """True when ``address`` names this node."""
         return address.endpoint == self._endpoint
 
+    def from_wire(self, body: Any) -> Any:
+        """A received body with its actor addresses made refs bound to this node."""
+        return body_from_wire(body, self)
+
     # ------------------------------------------------------------------ outgoing links
 
     def mark_down(self, endpoint: str, exc: ActorError) -> None:

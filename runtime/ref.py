@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from treeserve.runtime.errors import ActorError
 from treeserve.transport.messages import ActorAddress, StreamEnd, StreamItem
 
-if TYPE_CHECKING:
-    from treeserve.runtime.node import Node
+__all__ = ["ActorRef", "RefNode"]
 
-__all__ = ["ActorRef"]
+
+class StreamEvents(Protocol):
+    """A streaming call's buffer, as a ref reads it (``calls.StreamCall``)."""
+
+    async def next_event(self) -> StreamItem | StreamEnd | ActorError: ...
+
+
+class RefNode(Protocol):
+    """What a ref calls through: its process's node (``node.Node``), seen from here so that
+    this module needs nothing of the node's own."""
+
+    default_timeout_s: float | None
+
+    def is_local(self, address: ActorAddress) -> bool: ...
+
+    async def ask(self, address: ActorAddress, method: str, body: Any, timeout_s: float | None) -> Any: ...
+
+    async def tell(self, address: ActorAddress, method: str, body: Any) -> None: ...
+
+    def open_stream(self, address: ActorAddress, method: str, body: Any,
+                    timeout_s: float | None) -> tuple[StreamEvents, Callable[[], None]]: ...
+
+    def from_wire(self, body: Any) -> Any: ...
+
+    def ref(self, address: ActorAddress) -> ActorRef: ...
 
 
 class ActorRef:
@@ -26,7 +49,7 @@ class ActorRef:
 
     __slots__ = ("_node", "address")
 
-    def __init__(self, address: ActorAddress, node: Node) -> None:
+    def __init__(self, address: ActorAddress, node: RefNode) -> None:
         self.address = address
         self._node = node
 
@@ -84,7 +107,7 @@ class ActorRef:
             while True:
                 event = await call.next_event()
                 if isinstance(event, StreamItem):
-                    yield node_body(event, node, self.is_local)
+                    yield event.body if self.is_local else node.from_wire(event.body)
                 elif isinstance(event, StreamEnd):
                     return
                 else:
@@ -104,12 +127,3 @@ class ActorRef:
 
     def __repr__(self) -> str:
         return f"ActorRef({self.address.name!r} @ {self.address.endpoint})"
-
-
-def node_body(item: StreamItem, node: Node, is_local: bool) -> Any:
-    """The body of a received stream item, with refs bound to ``node`` when remote."""
-    if is_local:
-        return item.body
-    from treeserve.runtime.bodies import body_from_wire
-
-    return body_from_wire(item.body, node)

@@ -9,9 +9,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from treeserve.runtime.config import RestartStrategy, SupervisorConfig
+from treeserve.runtime.actor import ActorNode
+from treeserve.runtime.config import RestartStrategy, RuntimeConfig, SupervisorConfig
 from treeserve.runtime.errors import ActorDeadError, ActorError, SupervisorGaveUp
 from treeserve.runtime.process import ChildLaunch, ChildProcess, encode_args
 from treeserve.runtime.ref import ActorRef
@@ -20,10 +21,20 @@ from treeserve.runtime.stall import StallGuard
 from treeserve.runtime.tasks import TaskOwner
 from treeserve.transport.messages import ActorAddress, Heartbeat
 
-if TYPE_CHECKING:
-    from treeserve.runtime.runtime import Runtime
+__all__ = ["ChildSpec", "ChildState", "SupervisingRuntime", "Supervisor"]
 
-__all__ = ["ChildSpec", "ChildState", "Supervisor"]
+
+class SupervisingRuntime(Protocol):
+    """What a supervisor needs of its runtime (``runtime.Runtime``): its node, its settings and
+    the endpoint each child binds."""
+
+    @property
+    def node(self) -> ActorNode: ...
+
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    def child_endpoint(self, name: str) -> str: ...
 
 _log = logging.getLogger(__name__)
 _KILL_GRACE_S = 0.0  # a failed child is killed at once; it is not trusted to exit
@@ -84,7 +95,7 @@ class Supervisor:
 
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: SupervisingRuntime,
         config: SupervisorConfig,
         *,
         name: str = "supervisor",
