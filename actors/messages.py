@@ -9,7 +9,7 @@ One class per body; ``to_wire()`` gives the msgpack-able dict a sender passes to
 ``from_wire(...)`` is the receiver's one validation of it, at its handler's entry (a request
 body) or where the answer comes back (a reply). After that, the actors pass the typed objects
 and never re-check a field. The wire shapes are the handlers' docstrings' (``actors/verifier.py``,
-``actors/speculator.py``, ``actors/length_predictor.py``, ``actors/scheduler.py``); token trees
+``actors/speculator.py``, ``actors/length_predictor.py``, ``actors/scheduler/actor.py``); token trees
 and sampling params keep the field codecs of :mod:`~treeserve.actors.tree_wire`.
 
 Errors: a malformed *request* body raises ``ValueError`` naming the field, which the runtime

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from treeserve.actors.gateway_request import Speculate, sampling_temperature
+from treeserve.actors.gateway.request import Speculate, sampling_temperature
 from treeserve.actors.messages import check_request_id
 from treeserve.actors.tree_wire import params_from_wire, params_to_wire
 from treeserve.ops.sampling import SamplingParams

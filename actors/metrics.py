@@ -2,7 +2,7 @@
 in one process never share or collide), rendered by ``GET /metrics`` in the text format.
 
 What feeds it:
-- the scheduler, as its :class:`~treeserve.actors.scheduler_observer.SchedulerObserver`: every
+- the scheduler, as its :class:`~treeserve.actors.scheduler.observer.SchedulerObserver`: every
   verify step (step time, tokens per row, tokens streamed) and every finished request (time
   to first token, time per output token, end-to-end latency, all measured by the scheduler
   from the request's arrival; so every front end's requests count);
@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from treeserve.actors.gateway_http_config import ServingState
-from treeserve.actors.scheduler_observer import StepSample
+from treeserve.actors.gateway.http_config import ServingState
+from treeserve.actors.scheduler.observer import StepSample
 
 __all__ = ["CONTENT_TYPE", "ServingMetrics", "ServingTotals"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from treeserve.actors.model_host import DTYPES, check_device, check_int, check_model_name, check_str_or_none
-from treeserve.actors.scheduler_types import SchedulerConfig
+from treeserve.actors.scheduler.types import SchedulerConfig
 
 
 @dataclass(frozen=True)

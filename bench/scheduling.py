@@ -14,7 +14,7 @@ next to the real one (``sim_mean_jct_s``, ``sim_error``: the simulator's calibra
 speculation ``none`` (one-node trees) and ``tree`` and fits ``step_s = base + per_row * rows``
 (a :class:`LatencyModel`), saved to ``--latency-model``.
 
-``--simulate`` runs the real policy objects of ``treeserve.actors.policy`` (and the SJF oracle,
+``--simulate`` runs the real policy objects of ``treeserve.actors.scheduler.policy`` (and the SJF oracle,
 an offline bound defined here) in a discrete-event
 copy of the scheduler's loop (admit in policy order into free rows, prefill, one batched step
 for all running requests) driven by that latency model, over Poisson and bursty Gamma
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.policy import (
+from treeserve.actors.scheduler.policy import (
     POLICY_NAMES,
     PREDICTION_POLICIES,
     PolicyName,
@@ -73,7 +73,7 @@ from treeserve.actors.policy import (
     SSJFPolicy,
     make_policy,
 )
-from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.gateway.request import Speculate
 
 SJF_ORACLE = "sjf-oracle"
 SSJF_MAX_TOKENS = "ssjf-max-tokens"
@@ -149,7 +149,7 @@ class SJFOraclePolicy(SSJFPolicy):
 
     Reads ``true_len`` (required on every request). Aging is off by default
     (``max_wait_s=math.inf``, pure SJF); with a finite ``max_wait_s`` it has the same
-    promotion rule and wait bound as :class:`~treeserve.actors.policy.SSJFPolicy`.
+    promotion rule and wait bound as :class:`~treeserve.actors.scheduler.policy.SSJFPolicy`.
     """
 
     def __init__(self, max_wait_s: float = math.inf) -> None:

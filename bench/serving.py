@@ -55,8 +55,8 @@ from typing import Any
 
 import uvloop
 
-from treeserve.actors.gateway_request import Speculate
-from treeserve.actors.policy import PolicyName
+from treeserve.actors.gateway.request import Speculate
+from treeserve.actors.scheduler.policy import PolicyName
 from treeserve.client import Client
 from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.server import Server, ServerConfig

@@ -134,7 +134,7 @@ def test_the_max_tokens_ablation_ignores_predictions() -> None:
     assert ablation != sched.simulate(jobs, "ssjf", UNIT, num_rows=1)
 
 
-# The SJF oracle moved here from treeserve.actors.policy (it reads true lengths, which no server
+# The SJF oracle moved here from treeserve.actors.scheduler.policy (it reads true lengths, which no server
 # knows); these were its tests there.
 def _req(rid: str, arrival: float, predicted: float | None = None, true_len: int | None = None) -> Any:
     return sched.QueuedRequest(rid, arrival, 8, 512, predicted, true_len)

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from treeserve.actors.gateway import GatewayConfig
+from treeserve.actors.gateway.actor import GatewayConfig
 from treeserve.client import Client, ConnectTimeoutError, UnavailableError
 from treeserve.testing.gateway_fakes import fake_gateway
 

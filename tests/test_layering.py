@@ -142,8 +142,8 @@ def test_the_check_sees_imports_at_any_depth() -> None:
     assert upward_imports("from treeserve import ops\n", "treeserve.transport.codec") == [
         "treeserve.transport.codec:1 (transport) imports treeserve.ops (ops)",
     ]
-    assert upward_imports("import treeserve\n", "treeserve.actors.gateway") == [
-        "treeserve.actors.gateway:1 (actors) imports treeserve (façade)",
+    assert upward_imports("import treeserve\n", "treeserve.actors.gateway.actor") == [
+        "treeserve.actors.gateway.actor:1 (actors) imports treeserve (façade)",
     ]
     # ops imports none of the serving layers; nothing imports the test helpers.
     assert upward_imports("if X:\n    from treeserve.runtime import Actor\n", "treeserve.ops.model") == [

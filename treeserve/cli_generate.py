@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any
 
-from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.gateway.request import Speculate
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators, parse_speculator
 from treeserve.cli_common import (
     UserError,
@@ -133,8 +133,8 @@ def check_body(body: dict[str, Any], *, vocab_size: int, context_length: int) ->
     """The gateway's validation of ``body`` (a ``GenerateRequest``); its refusal as a :class:`UserError`."""
     import dataclasses
 
-    from treeserve.actors.gateway_config import GatewayConfig
-    from treeserve.actors.gateway_request import InvalidRequest, parse_generate
+    from treeserve.actors.gateway.config import GatewayConfig
+    from treeserve.actors.gateway.request import InvalidRequest, parse_generate
 
     # The limit a served gateway applies (the server keeps GatewayConfig's default).
     max_prompt_chars = next(f.default for f in dataclasses.fields(GatewayConfig) if f.name == "max_prompt_chars")
@@ -200,8 +200,8 @@ async def _generate_via_server(args: argparse.Namespace, body: dict[str, Any],
 def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
                          specs: tuple[SpeculatorSpec, ...]) -> dict[str, Any]:
     from treeserve.actors.acceptance import mean_tokens_per_step
-    from treeserve.actors.gateway_request import InvalidRequest
-    from treeserve.actors.gateway_stream import prompt_ids_for, scheduler_body
+    from treeserve.actors.gateway.request import InvalidRequest
+    from treeserve.actors.gateway.stream import prompt_ids_for, scheduler_body
     from treeserve.actors.speculator_factory import load_drafter, make_speculators
     from treeserve.actors.tree_wire import params_from_wire
     from treeserve.models import load_model

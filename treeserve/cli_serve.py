@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from treeserve.actors.policy import POLICY_NAMES, PREDICTION_POLICIES
+from treeserve.actors.scheduler.policy import POLICY_NAMES, PREDICTION_POLICIES
 from treeserve.actors.speculator_factory import SPEC_SYNTAX, SpeculatorSpec, parse_speculator
 from treeserve.cli_common import (
     UserError,
@@ -191,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             progress("stopping")
         return failures
 
-    from treeserve.actors.gateway_http import HttpBindError
+    from treeserve.actors.gateway.http_api import HttpBindError
     from treeserve.server_devices import DeviceUnavailableError
 
     try:

@@ -9,7 +9,7 @@ is supervised too (a ``LocalSupervisor`` restarts it when its step loop dies).
 ``server.endpoint`` is the gateway's bound endpoint for :class:`treeserve.Client`. The
 configuration is :class:`~treeserve.server_config.ServerConfig` (re-exported here).
 
-HTTP: with ``ServerConfig.http`` the OpenAI-compatible API (``actors/gateway_http.py``) runs in
+HTTP: with ``ServerConfig.http`` the OpenAI-compatible API (``actors/gateway/http_api.py``) runs in
 this loop too, next to the ZeroMQ gateway or alone (``bind=None``). It listens first, before
 the model is loaded, so ``/health`` says ``starting`` meanwhile; ``server.http_url`` is its
 base URL. ``server.metrics`` (``actors/metrics.py``, a registry of its own) is fed by the
@@ -33,9 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from treeserve.actors.gateway_http_config import ServingState
+from treeserve.actors.gateway.http_config import ServingState
 from treeserve.actors.metrics import ServingMetrics
-from treeserve.actors.policy import PREDICTION_POLICIES
+from treeserve.actors.scheduler.policy import PREDICTION_POLICIES
 from treeserve.actors.speculator_factory import SpeculatorKind, SpeculatorSpec
 from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.runtime import (
@@ -203,14 +203,14 @@ class Server:
         return self.verifiers, self.speculators
 
     async def start(self) -> None:
-        from treeserve.actors.gateway import GatewayActor
-        from treeserve.actors.gateway_config import GatewayConfig
-        from treeserve.actors.scheduler import SchedulerActor, SchedulerConfig
+        from treeserve.actors.gateway.actor import GatewayActor
+        from treeserve.actors.gateway.config import GatewayConfig
+        from treeserve.actors.scheduler.actor import SchedulerActor, SchedulerConfig
 
         cfg = self.config
         http_config = cfg.http_config()
         if http_config is not None:
-            from treeserve.actors.gateway_http import HttpGateway
+            from treeserve.actors.gateway.http_api import HttpGateway
 
             # First: while everything below loads, /health says "starting" and requests get 503.
             self._http = HttpGateway(http_config, self.metrics, failures=lambda: self.failures)
@@ -324,8 +324,8 @@ class Server:
             self._gateway = gateway
             self._report(f"serving on {self.endpoint}")
         if self._http is not None:
-            from treeserve.actors.gateway_http import HttpBackend
-            from treeserve.actors.gateway_stream import chat_roles_for
+            from treeserve.actors.gateway.http_api import HttpBackend
+            from treeserve.actors.gateway.stream import chat_roles_for
 
             self._http.serve(HttpBackend(
                 tokenizer=tokenizer, scheduler=self.scheduler, vocab_size=gateway_config.vocab_size or 0,

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from treeserve.actors.gateway_http_config import HttpConfig
+from treeserve.actors.gateway.http_config import HttpConfig
 from treeserve.actors.model_host import check_device
-from treeserve.actors.policy import POLICY_NAMES
-from treeserve.actors.scheduler import SchedulerConfig
+from treeserve.actors.scheduler.policy import POLICY_NAMES
+from treeserve.actors.scheduler.actor import SchedulerConfig
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators
 from treeserve.ops.formats import FORMAT_NAMES, WeightFormat
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
@@ -62,7 +62,7 @@ class ServerConfig:
     calls and batched forwards up to it (a longer prompt goes alone).
     ``max_decode_steps``: when nothing speculates or waits, one verifier call runs up to this
     many plain decode steps (about 0.1 s of them; the stream then gets its tokens in chunks);
-    1 turns it off (see :class:`~treeserve.actors.scheduler_types.SchedulerConfig`).
+    1 turns it off (see :class:`~treeserve.actors.scheduler.types.SchedulerConfig`).
     """
 
     model: str = DEFAULT_MODEL

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.actors.gateway_request import Speculate
+from treeserve.actors.gateway.request import Speculate
 from treeserve.actors.messages import MalformedReply
 from treeserve.actors.messages_gateway import FinishBody, GenerateBody
 from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from treeserve.actors.gateway_http_config import HttpConfig, ServingState, is_loopback_host, parse_http_address
-from treeserve.actors.gateway_http_openai import ApiError, Endpoint, api_error_from, default_max_tokens, parse_openai
-from treeserve.actors.gateway_request import InvalidRequest
+from treeserve.actors.gateway.http_config import HttpConfig, ServingState, is_loopback_host, parse_http_address
+from treeserve.actors.gateway.openai_api import ApiError, Endpoint, api_error_from, default_max_tokens, parse_openai
+from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.actors.load_log import LoadLog, log_load_every
 from treeserve.actors.metrics import ServingMetrics, ServingTotals
-from treeserve.actors.scheduler_observer import StepSample
+from treeserve.actors.scheduler.observer import StepSample
 from treeserve.runtime.errors import ActorError, OverloadedError
 from treeserve.transport.wire import ErrorCode
 

@@ -74,7 +74,7 @@ def test_serve_refuses_the_oracle_policy_and_a_distilled_speculator_without_its_
 
 
 def test_serve_flag_defaults_are_the_server_configs() -> None:
-    from treeserve.actors.scheduler import SchedulerConfig
+    from treeserve.actors.scheduler.actor import SchedulerConfig
     from treeserve.cli import build_parser
     from treeserve.server import ServerConfig
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from treeserve.actors.gateway import GatewayConfig
+from treeserve.actors.gateway.actor import GatewayConfig
 from treeserve.testing.gateway_fakes import ByteTokenizer, expected_echo, fake_gateway, tiny_bpe_tokenizer
 
 HERE = Path(__file__).resolve().parent

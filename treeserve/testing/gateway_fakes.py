@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from treeserve.actors.gateway import GatewayActor
-from treeserve.actors.gateway_config import GatewayConfig, TokenizerLike
+from treeserve.actors.gateway.actor import GatewayActor
+from treeserve.actors.gateway.config import GatewayConfig, TokenizerLike
 from treeserve.runtime.actor import Actor, handler, stream_handler
 from treeserve.runtime.config import RuntimeConfig
 from treeserve.runtime.errors import ActorError
