@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
+from treeserve.actors.messages.length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
 from treeserve.actors.model_host import (
     SerialOffload,
     check_device,

@@ -21,7 +21,7 @@ config order. ``capacity`` bounds each request's drafter KV cache (default: the 
 * ``propose {"requests": [{"request_id", "new_tokens", "max_depth", "params", "max_nodes"?,
   "history"?, "num_states"?}], "states"?}`` -> ``{"trees": [tree wire | None ...], "missing": [request_id ...],
   "draft_probs"?}``, trees in request order (their dense draft probabilities stacked in one
-  ``draft_probs`` array; the bodies are :mod:`treeserve.actors.messages`'). Each request first
+  ``draft_probs`` array; the bodies are :mod:`treeserve.actors.messages.checks`'). Each request first
   advances by ``new_tokens`` (emitted since its last propose: accepted drafts then the bonus
   token; empty on the first call), then every
   speculator proposes a tree rooted at the request's last token with nodes at most
@@ -68,7 +68,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
+from treeserve.actors.messages.speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
 from treeserve.actors.model_host import (
     DTYPES,
     SerialOffload,
@@ -79,7 +79,7 @@ from treeserve.actors.model_host import (
     load_on_device,
 )
 from treeserve.actors.speculator_factory import Drafter, SpeculatorKind, SpeculatorSpec, load_drafter, make_speculators
-from treeserve.actors.tree_wire import ParamsCache
+from treeserve.actors.messages.tree_wire import ParamsCache
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams

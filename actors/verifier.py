@@ -10,7 +10,7 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   a burst of admissions shares batched forwards (:func:`~treeserve.ops.batch_step.prefill_rows`).
 * ``step {"rows": [{"row", "tree", "params", "request_id"}], "draft_probs"?}`` -> ``{"rows": [{"row",
   "accepted", "bonus_token", "new_tokens"}]}`` (the trees' dense draft probabilities stacked in
-  ``draft_probs``, see :mod:`treeserve.actors.messages`): one batched forward per compact block of rows
+  ``draft_probs``, see :mod:`treeserve.actors.messages.checks`): one batched forward per compact block of rows
   (:func:`~treeserve.ops.batch_step.verify_rows`), verification, commit of the accepted paths.
   A row that fails numerically (non-finite logits or probabilities) answers
   ``{"row", "error": str}`` instead and commits only its root; the other rows of the step are
@@ -21,7 +21,7 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   steps, each rooted at the token the last one emitted, and each row's verdict carries the up
   to k tokens (a row stops after a stop token), and with ``"return_states"`` the states of the
   k roots: one call, and one hop to the compute thread, for k tokens
-  (:class:`~treeserve.actors.messages_verifier.StepBody`).
+  (:class:`~treeserve.actors.messages.verifier.StepBody`).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
 
 Randomness: a seeded request's tokens are keyed by ``(seed, sequence position)``
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.actors.messages_verifier import (
+from treeserve.actors.messages.verifier import (
     PrefillBody,
     PrefilledRow,
     PrefillReply,
@@ -71,7 +71,7 @@ from treeserve.actors.messages_verifier import (
     StepReply,
 )
 from treeserve.actors.model_host import SerialOffload, check_int, consume_exception
-from treeserve.actors.tree_wire import ParamsCache
+from treeserve.actors.messages.tree_wire import ParamsCache
 from treeserve.actors.verifier_config import VerifierConfig
 from treeserve.ops.batch_step import (
     RowStep,
@@ -219,7 +219,7 @@ class VerifierShard(Actor):
         row's first root. A row with ``"return_states": true`` gets ``"num_states"`` in its reply,
         and the reply's ``"states"`` stacks those rows' final hidden states of ``prompt_ids[:-1]``
         (float32 ``(sum n, D)`` in row order, for feature-level drafters; one frame whatever the
-        row count, see :class:`~treeserve.actors.messages_verifier.PrefillReply`). Every entry is checked
+        row count, see :class:`~treeserve.actors.messages.verifier.PrefillReply`). Every entry is checked
         before any row is reset. ``None`` on ranks >= 1 of a ``rank0_answers`` call."""
         call = PrefillBody.from_wire(body)
         acks_only = call.rank0_answers and self.config.tp_rank > 0
@@ -247,7 +247,7 @@ class VerifierShard(Actor):
         ``"states"`` stacks the rows' final hidden states of their accepted nodes, root first
         (float32 ``(sum len(accepted), D)`` in row order; failed rows have none). ``None`` on
         ranks >= 1 of a ``rank0_answers`` call. Each request's params are parsed at its first
-        step only (:class:`~treeserve.actors.tree_wire.ParamsCache`)."""
+        step only (:class:`~treeserve.actors.messages.tree_wire.ParamsCache`)."""
         call = StepBody.from_wire(body, self._params)
         acks_only = call.rank0_answers and self.config.tp_rank > 0
         model, cache = await self._ready()

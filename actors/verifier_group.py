@@ -2,7 +2,7 @@
 
 Every shard gets every call, in the same order: tensor parallelism needs each rank to run the
 same forwards and collectives (see :mod:`treeserve.actors.verifier`). The group builds each
-call's body once (a :mod:`~treeserve.actors.messages` body's ``to_wire``) and hands that one
+call's body once (a :mod:`~treeserve.actors.messages.checks` body's ``to_wire``) and hands that one
 body to every shard. With more than one shard the body says ``"rank0_answers": true``: ranks >= 1
 then answer ``None`` once they have committed, since their rows and hidden states would be
 thrown away; rank 0's reply is checked here (the message's ``from_wire``) and returned as
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.messages_verifier import (
+from treeserve.actors.messages.verifier import (
     PrefillBody,
     PrefillReply,
     PrefillRow,
@@ -60,7 +60,7 @@ class VerifierGroup:
     async def step(self, rows: Sequence[StepRow], *, return_states: bool, decode_steps: int = 1) -> list[RowVerdict]:
         """Verify one token tree per row in batched forwards and commit the accepted paths
         (``decode_steps`` > 1: that many plain decode steps of one-node trees, see
-        :class:`~treeserve.actors.messages_verifier.StepBody`)."""
+        :class:`~treeserve.actors.messages.verifier.StepBody`)."""
         body = StepBody(tuple(rows), return_states, rank0_answers=self.tp_size > 1, decode_steps=decode_steps).to_wire()
         reply = await self._fan_out("step", body)
         return list(StepReply.from_wire(reply, [r.row for r in rows], return_states=return_states).verdicts)

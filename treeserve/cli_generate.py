@@ -203,7 +203,7 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
     from treeserve.actors.gateway.request import InvalidRequest
     from treeserve.actors.gateway.stream import prompt_ids_for, scheduler_body
     from treeserve.actors.speculator_factory import load_drafter, make_speculators
-    from treeserve.actors.tree_wire import params_from_wire
+    from treeserve.actors.messages.tree_wire import params_from_wire
     from treeserve.models import load_model
     from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from treeserve.actors.gateway.config import TokenizerLike
 from treeserve.actors.gateway.request import CHAT_ROLES, GenerateRequest, InvalidRequest
-from treeserve.actors.messages_gateway import GenerateBody
+from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 from treeserve.runtime.errors import ActorError
@@ -109,7 +109,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, context_length: int) -> 
 
 
 def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> dict[str, Any]:
-    """The scheduler's ``generate`` body (:class:`~treeserve.actors.messages_gateway.GenerateBody`,
+    """The scheduler's ``generate`` body (:class:`~treeserve.actors.messages.gateway.GenerateBody`,
     fresh ``request_id``; the tokenizer's ``stop_ids`` plus the request's own stop ids; the
     client's ``length_hint``, if any)."""
     params = SamplingParams(

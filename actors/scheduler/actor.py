@@ -32,10 +32,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from treeserve.actors.messages_gateway import FinishBody, GenerateBody
-from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody
-from treeserve.actors.messages_speculator import RequestRelease, StartBody
-from treeserve.actors.messages_verifier import PrefillRow, StepRow
+from treeserve.actors.messages.gateway import FinishBody, GenerateBody
+from treeserve.actors.messages.length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody
+from treeserve.actors.messages.speculator import RequestRelease, StartBody
+from treeserve.actors.messages.verifier import PrefillRow, StepRow
 from treeserve.actors.scheduler.core import RequestState, SchedulerCore, prefill_chunks
 from treeserve.actors.scheduler.observer import SchedulerObserver, StepSample
 from treeserve.actors.scheduler.types import (

@@ -35,7 +35,7 @@ import numpy as np
 from treeserve.actors.acceptance import mean_tokens_per_step
 from treeserve.actors.scheduler.adaptive import AdaptiveSpeculation
 from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
-from treeserve.actors.messages_gateway import check_length_hint
+from treeserve.actors.messages.gateway import check_length_hint
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
 from treeserve.actors.scheduler.types import (

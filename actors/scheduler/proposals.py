@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from treeserve.actors.gateway.request import Speculate
-from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply
+from treeserve.actors.messages.speculator import ProposalRequest, ProposeBody, ProposeReply
 from treeserve.actors.scheduler.types import ProposalAsk, RequestState, RowPlan
 from treeserve.ops.drafting import split_node_budget
 from treeserve.ops.token_tree import TokenTree, merge_trees

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from treeserve.actors.gateway.request import Speculate
-from treeserve.actors.messages_length import LengthReport
-from treeserve.actors.messages_speculator import ProposeBody
-from treeserve.actors.messages_verifier import MAX_DECODE_STEPS, RowVerdict
+from treeserve.actors.messages.length import LengthReport
+from treeserve.actors.messages.speculator import ProposeBody
+from treeserve.actors.messages.verifier import MAX_DECODE_STEPS, RowVerdict
 from treeserve.actors.scheduler.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree

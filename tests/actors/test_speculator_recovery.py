@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.speculator import SpeculatorActor, SpeculatorConfig
-from treeserve.actors.tree_wire import params_to_wire, tree_from_wire
+from treeserve.actors.messages.tree_wire import params_to_wire, tree_from_wire
 from treeserve.ops.sampling import SamplingParams
 from treeserve.runtime import RemoteError, Runtime, SupervisorConfig
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from treeserve.actors.messages import MalformedReply
-from treeserve.actors.messages_verifier import PrefillRow, RowVerdict, StepRow
+from treeserve.actors.messages.checks import MalformedReply
+from treeserve.actors.messages.verifier import PrefillRow, RowVerdict, StepRow
 from treeserve.actors.verifier import VerifierShard
 from treeserve.actors.verifier_group import VerifierGroup
 from treeserve.ops.sampling import SamplingParams

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from treeserve.actors.speculator import SpeculatorActor
-from treeserve.actors.tree_wire import params_to_wire, tree_from_wire
+from treeserve.actors.messages.tree_wire import params_to_wire, tree_from_wire
 from treeserve.actors.verifier import VerifierShard
 from treeserve.models import load_model
 from treeserve.ops.drafting import ModelSpeculator

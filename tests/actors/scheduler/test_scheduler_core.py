@@ -29,9 +29,9 @@ from treeserve.actors.scheduler.types import (
     StepReplies,
     TokensOut,
 )
-from treeserve.actors.messages import MalformedReply
-from treeserve.actors.messages_verifier import RowVerdict
-from treeserve.actors.tree_wire import tree_to_wire
+from treeserve.actors.messages.checks import MalformedReply
+from treeserve.actors.messages.verifier import RowVerdict
+from treeserve.actors.messages.tree_wire import tree_to_wire
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorDeadError, ActorError, RemoteError

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway.request import MIN_SAMPLING_TEMPERATURE, parse_generate
-from treeserve.actors.tree_wire import params_to_wire, tree_to_wire
+from treeserve.actors.messages.tree_wire import params_to_wire, tree_to_wire
 from treeserve.actors.verifier import VerifierShard
 from treeserve.client import Client, ServerError
 from treeserve.ops.sampling import SamplingParams

@@ -25,7 +25,7 @@ count), with each row's ``num_states`` beside its other fields (:func:`stack_sta
 
 A request's sampling params are the same at every step: a receiver parses them once per
 request with a :class:`ParamsCache`. The message bodies built from these fields are
-:mod:`treeserve.actors.messages`'.
+:mod:`treeserve.actors.messages.checks`'.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The bodies between the scheduler and the speculators: ``start``, ``propose`` (and its reply)
-and ``release`` (see :mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+and ``release`` (see :mod:`~treeserve.actors.messages.checks` for the contract every body keeps)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.messages import MalformedReply, check_request_id, check_token_ids
+from treeserve.actors.messages.checks import MalformedReply, check_request_id, check_token_ids
 from treeserve.actors.model_host import check_body, check_int
-from treeserve.actors.tree_wire import ParamsCache, pack_trees, params_to_wire, split_row_states, unpack_trees
+from treeserve.actors.messages.tree_wire import ParamsCache, pack_trees, params_to_wire, split_row_states, unpack_trees
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 

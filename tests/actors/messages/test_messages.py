@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from treeserve.actors.gateway.request import Speculate
-from treeserve.actors.messages import MalformedReply
-from treeserve.actors.messages_gateway import FinishBody, GenerateBody
-from treeserve.actors.messages_length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
-from treeserve.actors.messages_speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
-from treeserve.actors.messages_verifier import (
+from treeserve.actors.messages.checks import MalformedReply
+from treeserve.actors.messages.gateway import FinishBody, GenerateBody
+from treeserve.actors.messages.length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
+from treeserve.actors.messages.speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
+from treeserve.actors.messages.verifier import (
     PrefillBody,
     PrefilledRow,
     PrefillReply,
@@ -32,7 +32,7 @@ from treeserve.actors.messages_verifier import (
     StepRow,
 )
 from treeserve.actors.speculator import SpeculatorActor
-from treeserve.actors.tree_wire import SPARSE_MAX_NONZEROS, ParamsCache, params_to_wire
+from treeserve.actors.messages.tree_wire import SPARSE_MAX_NONZEROS, ParamsCache, params_to_wire
 from treeserve.actors.verifier import VerifierShard
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder

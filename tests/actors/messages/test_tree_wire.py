@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.actors.tree_wire import (
+from treeserve.actors.messages.tree_wire import (
     SPARSE_MAX_NONZEROS,
     params_from_wire,
     params_to_wire,

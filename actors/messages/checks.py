@@ -1,16 +1,16 @@
 """The message bodies the serving actors send each other, as typed frozen dataclasses: what
 they share (this module) and the bodies themselves, one module per conversation:
-:mod:`~treeserve.actors.messages_gateway` (gateway -> scheduler),
-:mod:`~treeserve.actors.messages_verifier` (scheduler <-> verifier),
-:mod:`~treeserve.actors.messages_speculator` (scheduler <-> speculator) and
-:mod:`~treeserve.actors.messages_length` (scheduler <-> length predictor).
+:mod:`~treeserve.actors.messages.gateway` (gateway -> scheduler),
+:mod:`~treeserve.actors.messages.verifier` (scheduler <-> verifier),
+:mod:`~treeserve.actors.messages.speculator` (scheduler <-> speculator) and
+:mod:`~treeserve.actors.messages.length` (scheduler <-> length predictor).
 
 One class per body; ``to_wire()`` gives the msgpack-able dict a sender passes to ``ask``, and
 ``from_wire(...)`` is the receiver's one validation of it, at its handler's entry (a request
 body) or where the answer comes back (a reply). After that, the actors pass the typed objects
 and never re-check a field. The wire shapes are the handlers' docstrings' (``actors/verifier.py``,
 ``actors/speculator.py``, ``actors/length_predictor.py``, ``actors/scheduler/actor.py``); token trees
-and sampling params keep the field codecs of :mod:`~treeserve.actors.tree_wire`.
+and sampling params keep the field codecs of :mod:`~treeserve.actors.messages.tree_wire`.
 
 Errors: a malformed *request* body raises ``ValueError`` naming the field, which the runtime
 answers as ``invalid_request`` (the receiver's range checks against its own config, such as a
@@ -21,11 +21,11 @@ Frames: a message's tensors travel as one frame per kind, whatever the row count
 hidden states are stacked into one ``(sum n_i, D)`` float32 array (each row says its
 ``num_states``), and so are the trees' dense ``draft_probs``: ``(sum R_i, V)`` in the body's
 ``"draft_probs"``, each such tree's field then being ``{"stacked": R_i}``
-(:func:`~treeserve.actors.tree_wire.pack_trees`). Sparse and absent ``draft_probs`` stay in
+(:func:`~treeserve.actors.messages.tree_wire.pack_trees`). Sparse and absent ``draft_probs`` stay in
 the tree, costing no frame.
 
 Params: a request's sampling params are the same at every step, so a receiver parses each
-request's params once (:class:`~treeserve.actors.tree_wire.ParamsCache`), not once per step.
+request's params once (:class:`~treeserve.actors.messages.tree_wire.ParamsCache`), not once per step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The bodies between the scheduler and the verifier shards: ``prefill``, ``step`` and ``release``
 requests, and the ``prefill`` and ``step`` replies, checked row by row against the rows asked
-for (see :mod:`~treeserve.actors.messages` for the contract every body keeps, and for how the
+for (see :mod:`~treeserve.actors.messages.checks` for the contract every body keeps, and for how the
 rows' states and dense draft probabilities are stacked into one frame per kind)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.messages import MalformedReply, check_entries, check_flag, check_request_id, check_token_ids
+from treeserve.actors.messages.checks import MalformedReply, check_entries, check_flag, check_request_id, check_token_ids
 from treeserve.actors.model_host import check_body, check_int
-from treeserve.actors.tree_wire import (
+from treeserve.actors.messages.tree_wire import (
     ParamsCache,
     pack_trees,
     params_to_wire,

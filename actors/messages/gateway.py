@@ -1,5 +1,5 @@
 """The bodies the gateway sends the scheduler: ``generate`` and ``finish`` (see
-:mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+:mod:`~treeserve.actors.messages.checks` for the contract every body keeps)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from treeserve.actors.gateway.request import Speculate, sampling_temperature
-from treeserve.actors.messages import check_request_id
-from treeserve.actors.tree_wire import params_from_wire, params_to_wire
+from treeserve.actors.messages.checks import check_request_id
+from treeserve.actors.messages.tree_wire import params_from_wire, params_to_wire
 from treeserve.ops.sampling import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """The bodies between the scheduler and the length predictor: ``predict`` and ``predict_batch``
-(and their replies) and ``observe`` (see :mod:`~treeserve.actors.messages` for the contract every body keeps)."""
+(and their replies) and ``observe`` (see :mod:`~treeserve.actors.messages.checks` for the contract every body keeps)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.messages import MalformedReply, check_request_id, check_token_ids
+from treeserve.actors.messages.checks import MalformedReply, check_request_id, check_token_ids
 from treeserve.actors.model_host import check_body, check_int
 
 
