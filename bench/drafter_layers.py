@@ -39,9 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from treeserve.models import LoadedModel, load_model
-from treeserve.ops.distill import read_prompts, select_prompts
+from treeserve.training.distill import read_prompts, select_prompts
 # _windows and _batch: the windows and batches distill-features trains on
-from treeserve.ops.feature_distill import (StateSequence, _batch, _windows, draft_vocabulary, feature_loss,
+from treeserve.training.feature_distill import (StateSequence, _batch, _windows, draft_vocabulary, feature_loss,
                                            generate_state_data, unrolled_features)
 from treeserve.ops.feature_drafter import FeatureDrafter, init_feature_drafter
 from treeserve.ops.model import Transformer

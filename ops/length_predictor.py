@@ -24,7 +24,7 @@ rescaled the same way). :func:`evaluate` gives held-out metrics (MAE in tokens,
 bucket accuracy, Kendall's tau-b). Weights save to a small ``.npz`` (arrays plus one JSON metadata string; no
 pickle). :class:`OnlineHead` refines a trained head from completed requests at bounded cost.
 Training on recorded lengths and the ``treeserve train-predictor`` command are in
-:mod:`treeserve.predictor`.
+:mod:`treeserve.training.predictor`.
 """
 
 from __future__ import annotations

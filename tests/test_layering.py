@@ -1,6 +1,7 @@
 """Layers import downward only: transport <- runtime <- actors <- the ``treeserve`` façade, and
-``ops`` imports none of them; no production module imports the test helpers
-(``treeserve.testing``).
+``ops`` imports none of them; training (``treeserve.training``) sits beside the façade, and no
+serving layer imports it; no production module imports the test helpers (``treeserve.testing``).
+And no production modules import each other in a cycle.
 
 Every production module's imports are read with ``ast``, those inside functions, methods and
 ``if TYPE_CHECKING:`` blocks included, and relative imports resolved. The folders come from
@@ -23,8 +24,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runtime": frozenset({"transport", "runtime"}),
     "ops": frozenset({"ops"}),
     "actors": frozenset({"transport", "runtime", "ops", "actors"}),
-    "façade": frozenset({"transport", "runtime", "ops", "actors", "façade"}),
-    "testing": frozenset({"transport", "runtime", "ops", "actors", "façade", "testing"}),
+    "façade": frozenset({"transport", "runtime", "ops", "actors", "façade", "training"}),
+    "training": frozenset({"ops", "façade", "training"}),
+    "testing": frozenset({"transport", "runtime", "ops", "actors", "façade", "training", "testing"}),
 }
 _LAYER_PACKAGES = {
     "treeserve.transport": "transport",
@@ -32,6 +34,7 @@ _LAYER_PACKAGES = {
     "treeserve.ops": "ops",
     "treeserve.actors": "actors",
     "treeserve.testing": "testing",
+    "treeserve.training": "training",
 }
 
 
@@ -130,11 +133,17 @@ def test_the_check_sees_imports_at_any_depth() -> None:
         "    return load_model\n"
         "class A:\n"
         "    def m(self):\n"
-        "        import treeserve.predictor\n"
+        "        import treeserve.training.predictor\n"
+        "        import treeserve.server\n"
     )
     assert upward_imports(hidden, "treeserve.actors.verifier") == [
         "treeserve.actors.verifier:4 (actors) imports treeserve.models (façade)",
-        "treeserve.actors.verifier:8 (actors) imports treeserve.predictor (façade)",
+        "treeserve.actors.verifier:8 (actors) imports treeserve.training.predictor (training)",
+        "treeserve.actors.verifier:9 (actors) imports treeserve.server (façade)",
+    ]
+    # Training sits beside the façade, off the serving path: no serving layer imports it.
+    assert upward_imports("from treeserve.training import distill\n", "treeserve.ops.ssm") == [
+        "treeserve.ops.ssm:1 (ops) imports treeserve.training (training)",
     ]
     assert upward_imports("from treeserve import client\n", "treeserve.runtime.node") == [
         "treeserve.runtime.node:1 (runtime) imports treeserve.client (façade)",
@@ -161,7 +170,8 @@ def test_the_check_sees_imports_at_any_depth() -> None:
     ]
     assert upward_imports("from . import codec\nfrom .wire import Kind\n", "treeserve.transport", is_package=True) == []
     assert upward_imports(hidden.replace("treeserve.models", "treeserve.ops.loaders.load")
-                          .replace("import treeserve.predictor", "import treeserve.ops.length_predictor"),
+                          .replace("import treeserve.training.predictor", "import treeserve.ops.length_predictor")
+                          .replace("import treeserve.server", "import treeserve.ops.ssm"),
                           "treeserve.actors.verifier") == []
 
 

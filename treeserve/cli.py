@@ -7,7 +7,7 @@ Subcommands, one module each:
 * ``generate`` (:mod:`treeserve.cli_generate`): load the model and print one completion, through
   an embedded server or, with ``--in-process``, in this process.
 * ``serve`` and ``node`` (:mod:`treeserve.cli_serve`): run the server; offer a host to one.
-* ``train-predictor``, ``distill``, ``synth-prompts`` and ``distill-features`` (:mod:`treeserve.cli_train`).
+* ``train-predictor``, ``distill``, ``synth-prompts`` and ``distill-features`` (:mod:`treeserve.training.cli`).
 
 Progress goes to stderr; results go to stdout. A user mistake (bad flag value, missing file)
 prints one ``treeserve: error: ...`` line and exits with status 2, without a traceback.
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags."""
     from treeserve.cli_generate import add_generate_parser
     from treeserve.cli_serve import add_node_parser, add_serve_parser
-    from treeserve.cli_train import add_train_parsers
+    from treeserve.training.cli import add_train_parsers
 
     parser = argparse.ArgumentParser(
         prog="treeserve",
@@ -108,7 +108,7 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
     """The function that runs subcommand ``name``."""
     from treeserve.cli_generate import cmd_generate
     from treeserve.cli_serve import cmd_node, cmd_serve
-    from treeserve.cli_train import cmd_distill, cmd_distill_features, cmd_synth_prompts, cmd_train_predictor
+    from treeserve.training.cli import cmd_distill, cmd_distill_features, cmd_synth_prompts, cmd_train_predictor
 
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "pull": cmd_pull, "generate": cmd_generate, "serve": cmd_serve, "node": cmd_node,

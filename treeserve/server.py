@@ -377,7 +377,7 @@ class Server:
     async def _start_predictor(self, supervisor_config: SupervisorConfig) -> ActorRef | None:
         """Spawn the length predictor when the policy orders by predicted length (else None)."""
         from treeserve.actors.length_predictor import LengthPredictorActor
-        from treeserve.predictor import load_predictor
+        from treeserve.ops.length_predictor import load_predictor
 
         cfg = self.config
         if cfg.scheduler not in PREDICTION_POLICIES:

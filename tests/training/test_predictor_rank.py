@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from treeserve.ops.length_predictor import pairwise_rank_loss, prompt_key
-from treeserve.predictor import (
+from treeserve.training.predictor import (
     TEST_FRACTION,
     FeatureSpec,
     LengthExample,

@@ -1,4 +1,4 @@
-"""Distillation (treeserve.ops.distill): teacher data, boost weights, training, resume."""
+"""Distillation (treeserve.training.distill): teacher data, boost weights, training, resume."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import Tensor
 
-import treeserve.ops.distill as distill
+import treeserve.training.distill as distill
 from tests.ops.conftest import make_tiny_model
-from treeserve.ops.distill import (
+from treeserve.training.distill import (
     BoostConfig,
     TeacherSequence,
     boost_weights,
@@ -314,7 +314,7 @@ def test_self_written_prompts_are_distinct_ended_turns_and_skip_the_excluded(tmp
 
     from treeserve import cli
     from treeserve.models import load_model
-    from treeserve.ops.distill import self_written_prompts, user_turn_prefix
+    from treeserve.training.distill import self_written_prompts, user_turn_prefix
 
     folder, _ = _tiny_chat_model_and_prompts(tmp_path, 2)
     loaded = load_model(str(folder))

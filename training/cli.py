@@ -38,13 +38,13 @@ def _add_teacher_flags(p: argparse.ArgumentParser) -> None:
 
 def add_train_parsers(sub: Any) -> None:
     """The ``train-predictor``, ``distill`` and ``distill-features`` subcommands' flags."""
-    train = sub.add_parser("train-predictor", help="train the SSJF output-length predictor (see treeserve.predictor)")
-    from treeserve.predictor import add_arguments as add_predictor_arguments
+    train = sub.add_parser("train-predictor", help="train the SSJF output-length predictor (see treeserve.training.predictor)")
+    from treeserve.training.predictor import add_arguments as add_predictor_arguments
 
     add_predictor_arguments(train)
 
     distill = sub.add_parser(
-        "distill", help="distil small speculative models (SSMs) from the model by boost-tuning (see treeserve.ops.distill)"
+        "distill", help="distil small speculative models (SSMs) from the model by boost-tuning (see treeserve.training.distill)"
     )
     _add_teacher_flags(distill)
     distill.add_argument("--out", type=Path, default=None, help="weights file (default: <work-dir>/ssm.safetensors)")
@@ -92,7 +92,7 @@ def add_train_parsers(sub: Any) -> None:
 
 
 def cmd_train_predictor(args: argparse.Namespace) -> int:
-    from treeserve.predictor import run
+    from treeserve.training.predictor import run
 
     return int(run(args) or 0)
 
@@ -145,7 +145,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.ops.distill import BoostConfig, read_prompts, run_distillation, select_prompts
+    from treeserve.training.distill import BoostConfig, read_prompts, run_distillation, select_prompts
 
     torch.set_num_threads(max(args.threads, 1))
     try:
@@ -213,7 +213,7 @@ def cmd_synth_prompts(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.ops.distill import read_prompts, self_written_prompts
+    from treeserve.training.distill import read_prompts, self_written_prompts
 
     torch.set_num_threads(max(args.threads, 1))
     name = model_name(args)
@@ -242,8 +242,8 @@ def cmd_distill_features(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.ops.distill import read_prompts, select_prompts
-    from treeserve.ops.feature_distill import (
+    from treeserve.training.distill import read_prompts, select_prompts
+    from treeserve.training.feature_distill import (
         TrainConfig,
         draft_vocabulary,
         evaluate_top1,

@@ -1,4 +1,4 @@
-"""treeserve.predictor: tau-b vs a slow reference, ridge recovers known relations, save/load,
+"""treeserve.training.predictor: tau-b vs a slow reference, ridge recovers known relations, save/load,
 token/hidden features, online refinement, the CSV join; all synthetic and fast."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from treeserve.ops.model import ModelConfig, Transformer
-from treeserve.predictor import (
+from treeserve.training.predictor import (
     FeatureSpec,
     LengthExample,
     OnlineHead,
@@ -246,7 +246,7 @@ def test_shipped_predictor_loads_with_provenance() -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 7])
 def test_prompt_hidden_equals_the_models_own_forward(num_tokens: int) -> None:
-    from treeserve.predictor import prompt_hidden
+    from treeserve.training.predictor import prompt_hidden
 
     model = _tiny_model().truncated(2)
     ids = list(range(3, 3 + num_tokens))
@@ -255,7 +255,7 @@ def test_prompt_hidden_equals_the_models_own_forward(num_tokens: int) -> None:
 
 
 def test_one_pass_features_equal_each_truncated_models_own(tmp_path: Path) -> None:
-    from treeserve.predictor import cache_hidden_features, feature_matrix, hidden_features_at
+    from treeserve.training.predictor import cache_hidden_features, feature_matrix, hidden_features_at
 
     model = _tiny_model()
     ids = [5, 9, 2, 33, 7]
@@ -279,7 +279,7 @@ def test_predictor_data_batched_greedy_equals_one_prompt_at_a_time() -> None:
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "predictor_data.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "predictor_data.py"
     spec = importlib.util.spec_from_file_location("treeserve_bench_predictor_data", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

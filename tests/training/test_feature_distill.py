@@ -1,4 +1,4 @@
-"""Training the feature drafter (treeserve.ops.feature_distill): the second unrolled draft step
+"""Training the feature drafter (treeserve.training.feature_distill): the second unrolled draft step
 sees exactly what a depth-2 draft sees when serving, prompt positions are weighted as asked,
 held-out agreement can count generated positions only, and training lowers the loss."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.ops.test_ops_feature_drafter import single_thread, tiny_drafter, tiny_verifier  # noqa: F401 - autouse fixture
-from treeserve.ops.feature_distill import (
+from treeserve.training.feature_distill import (
     StateSequence,
     TrainConfig,
     _batch,
@@ -96,7 +96,7 @@ def test_state_data_is_the_greedy_answer_with_its_states_and_resumes(tmp_path) -
     """Five prompts over two rows (rows freed by a stop token or the token cap take the next
     start at once): each record is the prompt's own incremental greedy answer, with the states
     and top-1 a separate pass computes; a rerun loads the saved parts instead of generating."""
-    from treeserve.ops.feature_distill import generate_state_data
+    from treeserve.training.feature_distill import generate_state_data
     from treeserve.ops.sampling import SamplingParams
     from treeserve.ops.speculative import generate_incremental
 

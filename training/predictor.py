@@ -414,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="other feature specs to report on the held-out prompts")
     parser.add_argument("--cross-validate", action="store_true",
                         help="report k-fold cross-validation over all prompts instead of the held-out test split "
-                             "(treeserve.predictor.is_test_prompt); the saved head is then fit on every prompt")
+                             "(treeserve.training.predictor.is_test_prompt); the saved head is then fit on every prompt")
     parser.add_argument("--features-cache", type=Path, default=Path("bench/out/predictor_features"),
                         help="keep computed features here, by prompt hash, for reruns")
     parser.add_argument("--out", type=Path, default=None, help="where to save the .npz (default: do not save)")
@@ -503,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
         "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": args.head,
         "data": [str(p) for p in data], "data_provenance": header, "num_examples": len(examples),
         "num_train": len(train), "num_test": len(test), "train_sets": sorted({e.dataset for e in train}),
-        "split": "cross-validation" if args.cross_validate else "treeserve.predictor.is_test_prompt",
+        "split": "cross-validation" if args.cross_validate else "treeserve.training.predictor.is_test_prompt",
         "model": model_name, "model_gguf_sha256": spec_obj.gguf_sha256 if spec_obj else None,
         "folds": args.folds, "seed": args.seed, "script": "treeserve train-predictor",
         "train_s_with_features": round(seconds, 1),
@@ -552,7 +552,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m treeserve.predictor`` == ``treeserve train-predictor``."""
+    """``python -m treeserve.training.predictor`` == ``treeserve train-predictor``."""
     parser = argparse.ArgumentParser(prog="treeserve train-predictor",
                                      description="train the output-length predictor used by SSJF")
     add_arguments(parser)
