@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from treeserve.models import LoadedModel, load_model
 from treeserve.training.distill import read_prompts, select_prompts
-# _windows and _batch: the windows and batches distill-features trains on
-from treeserve.training.feature_distill import (StateSequence, _batch, _windows, draft_vocabulary, feature_loss,
+# training_windows and training_batch: the windows and batches distill-features trains on (public for this bench)
+from treeserve.training.feature_distill import (StateSequence, training_batch, training_windows, draft_vocabulary, feature_loss,
                                            generate_state_data, unrolled_features)
 from treeserve.ops.feature_drafter import FeatureDrafter, init_feature_drafter
 from treeserve.ops.model import Transformer
@@ -131,7 +131,7 @@ def batch(data: Sequence[Tapped], picks: Sequence[tuple[int, int]], length: int,
           prompt_weight: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """feature_distill's batch of the final states (states at t, tokens x_{t+1}, states at t+1,
     loss weights) with the taps at t before it and the verifier's top-1 at t+1 after it."""
-    final, tokens, targets, weights = _batch([d.seq for d in data], picks, length, prompt_weight)
+    final, tokens, targets, weights = training_batch([d.seq for d in data], picks, length, prompt_weight)
     span = tokens.shape[1]
     taps = torch.stack([data[i].taps[s: s + span] for i, s in picks]).float()
     truth = torch.stack([data[i].seq.top1[s + 1: s + 1 + span] for i, s in picks])
@@ -143,7 +143,7 @@ def evaluate(drafter: FeatureDrafter, fusion: Fusion, data: Sequence[Tapped], le
     hits, totals = [0, 0], [0, 0]
     drafter.eval()
     with torch.no_grad():
-        picks_all = _windows([d.seq for d in data], length)
+        picks_all = training_windows([d.seq for d in data], length)
         for start in range(0, len(picks_all), 8):
             taps, final, tokens, _, weights, truth = batch(data, picks_all[start: start + 8], length, 0.0)
             predicted = unrolled_features(drafter, fusion(taps, final), tokens, steps=2)
@@ -167,7 +167,7 @@ def train(model: Transformer, data: Sequence[Tapped], heldout: Sequence[Tapped],
         parameter.requires_grad_(False)
     trainable = [p for n, p in drafter.named_parameters() if not n.startswith("embed_tokens.")] + list(fusion.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    picks_all = _windows([d.seq for d in data], args.length)
+    picks_all = training_windows([d.seq for d in data], args.length)
     per_epoch = math.ceil(len(picks_all) / args.batch_size)
     total = args.epochs * per_epoch
     rng = random.Random(args.seed)

@@ -313,11 +313,11 @@ def kernel_timing(device: str, kernel: Callable[..., Any], small: bool) -> dict[
         tree_mask_from_parents,
     )
 
-    from treeserve.ops.kernels.tree_attention_cuda import ROW_VARIANTS, _cupy_launch, _num_sms, run_tree_attention
+    from treeserve.ops.kernels.tree_attention_cuda import ROW_VARIANTS, cupy_launch, num_sms_of, run_tree_attention
 
     heads, kv_heads, head_dim = 9, 3, 64
     index = torch.device(device).index or 0
-    num_sms = _num_sms(index) if device.startswith("cuda") else 8
+    num_sms = num_sms_of(index) if device.startswith("cuda") else 8
     grid = [(16, 32), (64, 64)] if small else [(n, p) for n in (16, 64) for p in (256, 2048, 8192)]
     reps = 2 if small else 50
     gen = torch.Generator().manual_seed(1)
@@ -353,7 +353,7 @@ def kernel_timing(device: str, kernel: Callable[..., Any], small: bool) -> dict[
             row["kernel_host_ms_without_launch"] = time_ms(lambda: run_tree_attention(
                 q, k, v, lengths, bits, launch=lambda *args: None, num_sms=num_sms, max_prefix_length=prefix),
                 device, reps=reps)
-            launch = _cupy_launch(index)
+            launch = cupy_launch(index)
             for rows_per_block in ROW_VARIANTS:  # the launch shapes the kernel takes, on the GPU's own clock
                 for per_sm in (2, 4, 8):
                     def variant() -> Any:
@@ -611,9 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     report.data.update(device=device, dry_run=args.dry_run, torch=torch.__version__, python=sys.version.split()[0])
     if device.startswith("cuda"):
         report.data["gpu"] = torch.cuda.get_device_name(0)
-        from treeserve.ops.kernels.tree_attention_cuda import _driver_launch
+        from treeserve.ops.kernels.tree_attention_cuda import driver_launch
 
-        report.data["kernel_launch"] = "cuLaunchKernel" if _driver_launch() is not None else "cupy"
+        report.data["kernel_launch"] = "cuLaunchKernel" if driver_launch() is not None else "cupy"
         try:
             import cupy
 

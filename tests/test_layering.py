@@ -250,3 +250,17 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert cycles(graph) == [["a", "b", "c"]]
     graph["d"] = {"b"}
     assert cycles(graph) == [["a", "b", "c", "d"]]
+
+
+def private_imports(source: str) -> list[str]:
+    """The ``_private`` names ``source`` imports from treeserve modules."""
+    return [f"{node.lineno}: {node.module}.{alias.name}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("treeserve")
+            for alias in node.names if alias.name.startswith("_")]
+
+
+def test_the_benchmarks_use_public_names_only() -> None:
+    found = [f"bench/{path.name}:{hit}" for path in sorted((REPO / "bench").glob("*.py"))
+             for hit in private_imports(path.read_text(encoding="utf-8"))]
+    assert not found, "private names the benchmarks import:\n" + "\n".join(found)
+    assert private_imports("from treeserve.ops.model import _x, Transformer\n") == ["1: treeserve.ops.model._x"]

@@ -232,7 +232,7 @@ def draft_vocabulary(data: Sequence[StateSequence], size: int) -> Tensor:
     return torch.topk(counts, size).indices.sort().values
 
 
-def _windows(data: Sequence[StateSequence], length: int) -> list[tuple[int, int]]:
+def training_windows(data: Sequence[StateSequence], length: int) -> list[tuple[int, int]]:
     """(sequence, start) windows of ``length + 1`` positions covering every sequence."""
     out = []
     for index, seq in enumerate(data):
@@ -244,7 +244,7 @@ def _windows(data: Sequence[StateSequence], length: int) -> list[tuple[int, int]
     return out
 
 
-def _batch(data: Sequence[StateSequence], picks: Sequence[tuple[int, int]], length: int,
+def training_batch(data: Sequence[StateSequence], picks: Sequence[tuple[int, int]], length: int,
            prompt_weight: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Inputs ``(f_t, x_{t+1})``, target states ``f_{t+1}`` and per-position loss weights, cut to
     the shortest window. A pair whose token ``x_{t+1}`` is a prompt token other than the last
@@ -325,13 +325,13 @@ def evaluate_top1(drafter: FeatureDrafter, data: Sequence[StateSequence], *, len
     :func:`unrolled_features`) equals the LLM's top-1; ``generated_only``: only the positions
     that root drafts in serving (from the prompt's last token on), which is what acceptance
     depends on (prompt positions are easier)."""
-    windows = _windows(data, length)
+    windows = training_windows(data, length)
     hits = total = 0
     drafter.eval()
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             picks = windows[start: start + batch_size]
-            states, tokens, _, weights = _batch(data, picks, length, prompt_weight=0.0 if generated_only else 1.0)
+            states, tokens, _, weights = training_batch(data, picks, length, prompt_weight=0.0 if generated_only else 1.0)
             predicted = unrolled_features(drafter, states, tokens, steps=step)[-1]
             guess = drafter.draft_ids[drafter.head(predicted).argmax(-1)]  # (B, T)
             span = tokens.shape[1]
@@ -386,7 +386,7 @@ def train_feature_drafter(
     for parameter in drafter.embed_tokens.parameters():
         parameter.requires_grad_(False)
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    windows = _windows(data, config.length)
+    windows = training_windows(data, config.length)
     steps_per_epoch = math.ceil(len(windows) / config.batch_size)
     total_steps = config.epochs * steps_per_epoch
     first_epoch, history = 0, []
@@ -408,7 +408,7 @@ def train_feature_drafter(
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             picks = windows[index * config.batch_size: (index + 1) * config.batch_size]
-            loss, _ = feature_loss(drafter, *_batch(data, picks, config.length, config.prompt_weight),
+            loss, _ = feature_loss(drafter, *training_batch(data, picks, config.length, config.prompt_weight),
                                    state_weight=config.state_weight, steps=config.steps)
             optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]

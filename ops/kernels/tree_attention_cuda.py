@@ -569,7 +569,7 @@ PACKING = {PTR: "Q", I32: "i", I64: "q", F32: "f"}
 
 
 @functools.lru_cache(maxsize=None)
-def _driver_launch() -> Callable[..., int] | None:
+def driver_launch() -> Callable[..., int] | None:
     """``cuLaunchKernel`` from the driver library, or None where it cannot be loaded."""
     import ctypes
 
@@ -600,7 +600,7 @@ def _current_stream(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _cupy_launch(device_index: int) -> Launch:
+def cupy_launch(device_index: int) -> Launch:
     """The launcher of one device (kept: the model calls it once per layer, and at these sizes
     what a call costs on the host is most of what it costs). CuPy compiles and loads the
     kernels; the launch itself goes straight to the driver with the parameters packed into one
@@ -614,7 +614,7 @@ def _cupy_launch(device_index: int) -> Launch:
 
     kernels = _cupy_kernels(device_index)
     device = cupy.cuda.Device(device_index)
-    launch_kernel = _driver_launch()
+    launch_kernel = driver_launch()
     handles = {name: _function_handle(kernel) for name, kernel in kernels.items()}
     packers = {signature: struct.Struct("@" + "".join(PACKING[kind] for kind in signature))
                for signature in (TILE_SIGNATURE, COMBINE_SIGNATURE)}
@@ -656,7 +656,7 @@ def _cupy_launch(device_index: int) -> Launch:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def num_sms_of(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
@@ -666,5 +666,5 @@ def tree_attention_cuda(q: Tensor, k: Tensor, v: Tensor, prefix_lengths: Tensor,
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError("tree_attention_cuda needs CUDA tensors")
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return run_tree_attention(q, k, v, prefix_lengths, ancestor_bits, launch=_cupy_launch(index), num_sms=_num_sms(index),
+    return run_tree_attention(q, k, v, prefix_lengths, ancestor_bits, launch=cupy_launch(index), num_sms=num_sms_of(index),
                               max_prefix_length=max_prefix_length, num_splits=num_splits)

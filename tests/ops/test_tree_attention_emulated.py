@@ -160,15 +160,15 @@ def test_cuda_kernel_matches_reference(name: str, dtype: torch.dtype, num_splits
     """GPU twin of the emulated tests: the same inputs and tolerances through the CUDA launcher,
     with K/V on 16-byte boundaries (vector loads) and one element past one (element loads),
     every build."""
-    from treeserve.ops.kernels.tree_attention_cuda import _cupy_launch, _num_sms, run_tree_attention
+    from treeserve.ops.kernels.tree_attention_cuda import cupy_launch, num_sms_of, run_tree_attention
 
     q, k, v, lengths, bits, expected = case_inputs(name, 0, dtype)
     k, v = k.cuda(), v.cuda()
     if not aligned:
         k, v = unaligned(k, v)
     index = k.device.index or 0
-    got = run_tree_attention(q.cuda(), k, v, lengths.cuda(), bits.cuda(), launch=_cupy_launch(index),
-                             num_sms=_num_sms(index), num_splits=num_splits, rows=rows)
+    got = run_tree_attention(q.cuda(), k, v, lengths.cuda(), bits.cuda(), launch=cupy_launch(index),
+                             num_sms=num_sms_of(index), num_splits=num_splits, rows=rows)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.cpu().double() - expected).abs().max().item() < TOLERANCE[dtype]
 

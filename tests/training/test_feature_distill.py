@@ -11,7 +11,7 @@ from tests.ops.test_ops_feature_drafter import single_thread, tiny_drafter, tiny
 from treeserve.training.feature_distill import (
     StateSequence,
     TrainConfig,
-    _batch,
+    training_batch,
     collect_states,
     evaluate_top1,
     feature_loss,
@@ -30,7 +30,7 @@ def test_second_step_matches_a_depth_two_draft_at_serving_time() -> None:
     verifier = tiny_verifier()
     drafter = tiny_drafter(verifier)
     data = sequences(verifier, 1, 12, 0)
-    states, tokens, _, _ = _batch(data, [(0, 0)], 11)
+    states, tokens, _, _ = training_batch(data, [(0, 0)], 11)
     with torch.no_grad():
         first, second = unrolled_features(drafter, states, tokens, steps=2)
         for j in range(1, tokens.shape[1]):
@@ -47,10 +47,10 @@ def test_second_step_matches_a_depth_two_draft_at_serving_time() -> None:
 def test_prompt_positions_get_the_prompt_weight() -> None:
     verifier = tiny_verifier()
     data = sequences(verifier, 2, 10, 4)
-    _, _, _, weights = _batch(data, [(0, 0), (1, 0)], 9, prompt_weight=0.25)
+    _, _, _, weights = training_batch(data, [(0, 0), (1, 0)], 9, prompt_weight=0.25)
     # Pair t holds token x_{t+1}; drafting starts at the prompt's last token (index 3).
     assert weights[0].tolist() == [0.25, 0.25, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    _, _, _, late = _batch(data, [(0, 4)], 5, prompt_weight=0.25)
+    _, _, _, late = training_batch(data, [(0, 4)], 5, prompt_weight=0.25)
     assert late.tolist() == [[1.0] * 5]
 
 
@@ -60,7 +60,7 @@ def test_generated_only_agreement_counts_the_generated_positions(step: int) -> N
     drafter = tiny_drafter(verifier)
     data = sequences(verifier, 2, 16, 8)
     with torch.no_grad():
-        states, tokens, _, _ = _batch(data, [(0, 0), (1, 0)], 15)
+        states, tokens, _, _ = training_batch(data, [(0, 0), (1, 0)], 15)
         predicted = unrolled_features(drafter, states, tokens, steps=step)[-1]
         right = drafter.draft_ids[drafter.head(predicted).argmax(-1)] == torch.stack([d.top1[1:] for d in data])
     first = max(8 - 2, 1 if step == 2 else 0)  # pair t holds x_{t+1}; drafting starts at x_7
@@ -74,7 +74,7 @@ def test_training_lowers_both_steps_losses() -> None:
     verifier = tiny_verifier()
     drafter = tiny_drafter(verifier)
     data = sequences(verifier, 6, 24, 6, seed=3)
-    batch = _batch(data, [(i, 0) for i in range(6)], 23, prompt_weight=0.2)
+    batch = training_batch(data, [(i, 0) for i in range(6)], 23, prompt_weight=0.2)
     with torch.no_grad():
         before = feature_loss(drafter, *batch, steps=2)[0].item()
     history = train_feature_drafter(drafter, data, TrainConfig(epochs=6, lr=3e-3, batch_size=3, length=23),
