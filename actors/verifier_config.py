@@ -66,6 +66,10 @@ class VerifierConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
+    def to_wire(self) -> dict[str, Any]:
+        """The constructor dict :meth:`from_wire` takes back (a shard's child-process argument)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @classmethod
     def from_wire(cls, config: Any) -> VerifierConfig:
         """Build from the constructor dict; unknown keys are rejected with the known ones listed."""

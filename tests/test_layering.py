@@ -264,3 +264,21 @@ def test_the_benchmarks_use_public_names_only() -> None:
              for hit in private_imports(path.read_text(encoding="utf-8"))]
     assert not found, "private names the benchmarks import:\n" + "\n".join(found)
     assert private_imports("from treeserve.ops.model import _x, Transformer\n") == ["1: treeserve.ops.model._x"]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, module: str) -> list[str]:
+    """Functions and methods of ``source`` longer than :data:`MAX_FUNCTION_LINES` lines."""
+    return [f"{module}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_production_function_is_over_80_lines() -> None:
+    found = [hit for name, path in package_modules().items() if layer_of(name) != "testing"
+             for hit in long_functions(path.read_text(encoding="utf-8"), name)]
+    assert not found, "functions over 80 lines:\n" + "\n".join(found)
+    long = "def f():\n" + "    x = 1\n" * 80
+    assert long_functions(long, "m") == ["m:1 f (81 lines)"] and long_functions(long[:-10], "m") == []

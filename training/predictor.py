@@ -462,6 +462,28 @@ def write_predictions(path: Path, examples: Sequence[LengthExample], report: Tra
                              f"{preds[0]:.2f}"] + [f"{v:.2f}" for v in preds])
 
 
+def _print_report(args: argparse.Namespace, report: TrainReport, num_examples: int, num_train: int, num_test: int,
+                  result: dict[str, Any], seconds: float) -> None:
+    """``train-predictor``'s held-out table as text (``result``: what ``--json`` prints)."""
+    how = (f"{report.num_folds}-fold cross-validation over {num_examples} prompts" if args.cross_validate
+           else f"trained on {num_train} prompts, scored on {num_test} held-out test prompts")
+    public, trace = result["held_out_public_sets"], result["held_out_trace_prompts"]
+    print(f"held-out ({how}); head {args.head}")
+    print(f"{'features':<16} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'tau public':>10} "
+          f"{'bucket public':>13} {'tau trace':>9} {'feat ms':>8}")
+    for name, m in report.held_out.items():
+        pub = public.get(name, {})
+        print(f"{name:<16} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
+              f"{m['kendall_tau']:>6.3f} {pub.get('kendall_tau', float('nan')):>10.3f} "
+              f"{pub.get('bucket_accuracy', float('nan')):>13.3f} "
+              f"{trace.get(name, {}).get('kendall_tau', float('nan')):>9.3f} {m['feature_ms']:>8.1f}")
+    print("Kendall's tau within each dataset (held out):")
+    for dataset, per_spec in result["held_out_by_dataset"].items():
+        print(f"  {dataset:<11} n={int(next(iter(per_spec.values()))['num']):<4} "
+              + " ".join(f"{n}={m['kendall_tau']:.3f}" for n, m in per_spec.items()))
+    print(f"training took {seconds:.1f} s (features included; cached features are reused)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``train-predictor`` with parsed ``args``; prints the held-out table; returns an exit code."""
     import torch
@@ -532,22 +554,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        how = (f"{report.num_folds}-fold cross-validation over {len(examples)} prompts" if args.cross_validate
-               else f"trained on {len(train)} prompts, scored on {len(test)} held-out test prompts")
-        print(f"held-out ({how}); head {args.head}")
-        print(f"{'features':<16} {'MAE tok':>8} {'bucket acc':>10} {'tau':>6} {'tau public':>10} "
-              f"{'bucket public':>13} {'tau trace':>9} {'feat ms':>8}")
-        for name, m in report.held_out.items():
-            pub = public_only.get(name, {})
-            print(f"{name:<16} {m['mae_tokens']:>8.1f} {m['bucket_accuracy']:>10.3f} "
-                  f"{m['kendall_tau']:>6.3f} {pub.get('kendall_tau', float('nan')):>10.3f} "
-                  f"{pub.get('bucket_accuracy', float('nan')):>13.3f} "
-                  f"{trace_only.get(name, {}).get('kendall_tau', float('nan')):>9.3f} {m['feature_ms']:>8.1f}")
-        print("Kendall's tau within each dataset (held out):")
-        for dataset, per_spec in by_dataset.items():
-            print(f"  {dataset:<11} n={int(next(iter(per_spec.values()))['num']):<4} "
-                  + " ".join(f"{n}={m['kendall_tau']:.3f}" for n, m in per_spec.items()))
-        print(f"training took {seconds:.1f} s (features included; cached features are reused)")
+        _print_report(args, report, len(examples), len(train), len(test), result, seconds)
     return 0
 
 

@@ -38,14 +38,9 @@ from treeserve.actors.metrics import ServingMetrics
 from treeserve.actors.scheduler.policy import PREDICTION_POLICIES
 from treeserve.actors.speculator_factory import SpeculatorKind, SpeculatorSpec
 from treeserve.ops.loaders.registry import ModelLoadError
-from treeserve.runtime import (
-    ActorRef,
-    RestartStrategy,
-    Runtime,
-    RuntimeConfig,
-    SupervisorConfig,
-    SupervisorGaveUp,
-)
+from treeserve.actors.verifier_config import VerifierConfig
+from treeserve.runtime import ActorRef, RestartStrategy, Runtime, SupervisorGaveUp
+from treeserve import server_wiring as wiring
 from treeserve.server_config import ServerConfig
 from treeserve.server_devices import DevicePlacement, count_gpus, place_devices
 
@@ -203,124 +198,98 @@ class Server:
         return self.verifiers, self.speculators
 
     async def start(self) -> None:
-        from treeserve.actors.gateway.actor import GatewayActor
-        from treeserve.actors.gateway.config import GatewayConfig
-        from treeserve.actors.scheduler.actor import SchedulerActor, SchedulerConfig
-
+        """Start everything, in this order: the HTTP API (it says ``starting`` meanwhile), the
+        model (pulled and converted here, once), the runtime, the verifier shards beside the
+        speculators, the scheduler, the front ends."""
         cfg = self.config
-        http_config = cfg.http_config()
-        if http_config is not None:
-            from treeserve.actors.gateway.http_api import HttpGateway
-
-            # First: while everything below loads, /health says "starting" and requests get 503.
-            self._http = HttpGateway(http_config, self.metrics, failures=lambda: self.failures)
-            await self._http.start()
-            self._report(f"HTTP API on {self._http.url} (starting)")
+        await self._start_http()
         self.placement = await asyncio.to_thread(self._place_devices)  # too few GPUs: fail before anything starts
         try:
             tokenizer = await asyncio.to_thread(prepare_model, cfg, self._progress)
         except ModelLoadError as exc:  # an unsupported model: /health says failed, and why, until we close
             self.failures.append(f"model: {exc}")
             raise
-        supervisor_config = SupervisorConfig(
-            max_restarts=cfg.max_restarts,
-            within_s=cfg.restart_window_s,
-            heartbeat_interval_s=cfg.heartbeat_interval_s,
-            start_timeout_s=cfg.start_timeout_s,
-        )
-        cluster = cfg.num_nodes > 0
-        self._runtime = Runtime(RuntimeConfig(
-            bind=cfg.cluster_bind if cluster else None,
-            allow_public_bind=cfg.allow_public_bind,
-            supervisor=supervisor_config, heartbeat_interval_s=cfg.heartbeat_interval_s, close_timeout_s=15.0,
-        ))
+        self._runtime = Runtime(wiring.runtime_config(cfg))
         await self._runtime.start()
-        rt = self._runtime
-        agents: list[ActorRef] = []
-        if cluster:
-            from treeserve.runtime.cluster import start_registry
+        agents = await self._join_nodes()
+        speculators, predictor = await self._start_model_actors(agents)
+        await self._start_scheduler(speculators, predictor)
+        await self._serve_front_ends(tokenizer)
+        self._is_ready = True
 
-            registry = await start_registry(rt)
-            self._report(f"waiting for {cfg.num_nodes} node(s): run `treeserve node --join {rt.endpoint}`")
-            agents = await registry.wait_for_nodes(cfg.num_nodes, cfg.node_wait_timeout_s)
+    async def _start_http(self) -> None:
+        """The HTTP API first: while everything else loads, /health says "starting" and requests get 503."""
+        http_config = self.config.http_config()
+        if http_config is not None:
+            from treeserve.actors.gateway.http_api import HttpGateway
 
+            self._http = HttpGateway(http_config, self.metrics, failures=lambda: self.failures)
+            await self._http.start()
+            self._report(f"HTTP API on {self._http.url} (starting)")
+
+    async def _join_nodes(self) -> list[ActorRef]:
+        """The agents of the ``num_nodes`` hosts that joined (none without them)."""
+        cfg, rt = self.config, self.runtime
+        if not cfg.num_nodes:
+            return []
+        from treeserve.runtime.cluster import start_registry
+
+        registry = await start_registry(rt)
+        self._report(f"waiting for {cfg.num_nodes} node(s): run `treeserve node --join {rt.endpoint}`")
+        return list(await registry.wait_for_nodes(cfg.num_nodes, cfg.node_wait_timeout_s))
+
+    async def _start_model_actors(self, agents: list[ActorRef]) -> tuple[tuple[SpeculatorSpec, ...], ActorRef | None]:
+        """The verifier shards (then the length predictor, checked against the model they
+        report) beside the speculators: each is a child process that spends seconds importing
+        torch and loading, and neither needs the other."""
+        cfg = self.config
         self._report(f"starting {cfg.tp} verifier shard(s)")
-        verifier_sup = self.verifier_supervisor = rt.supervisor(
-            SupervisorConfig(
-                strategy=RestartStrategy.ONE_FOR_ALL,
-                max_restarts=cfg.max_restarts,
-                within_s=cfg.restart_window_s,
-                heartbeat_interval_s=cfg.heartbeat_interval_s,
-                start_timeout_s=cfg.start_timeout_s,
-            ),
-            name="verifier-supervisor",
-            on_give_up=self._on_give_up,
-        )
+        verifier_sup = self.verifier_supervisor = self.runtime.supervisor(
+            wiring.supervisor_config(cfg, RestartStrategy.ONE_FOR_ALL), name="verifier-supervisor",
+            on_give_up=self._on_give_up)
         dist_init = None
         if cfg.tp > 1:
-            host = cfg.cluster_bind.split("://", 1)[1].rsplit(":", 1)[0] if cluster else "127.0.0.1"
+            host = cfg.cluster_bind.split("://", 1)[1].rsplit(":", 1)[0] if agents else "127.0.0.1"
             dist_init = f"tcp://{host}:{_free_port()}"
-        shard_configs = [
-            {
-                "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype,
-                "device": self.placement.verifier_devices[rank],
-                "tp_rank": rank, "tp_size": cfg.tp, "dist_init": dist_init,
-                "num_rows": cfg.num_rows, "row_capacity": cfg.row_capacity,
-                "num_threads": cfg.verifier_threads or max(1, _num_cores() // (1 if cluster else cfg.tp)),
-                "compile_in_background": cfg.compile_in_background,
-                "compile_decode": cfg.compile_decode,
-            }
-            for rank in range(cfg.tp)
-        ]
+        threads = cfg.verifier_threads or max(1, _num_cores() // (1 if agents else cfg.tp))
+        shards = wiring.verifier_configs(cfg, self.placement.verifier_devices, dist_init, threads)
 
         async def start_verifiers_then_predictor() -> ActorRef | None:
-            self.verifiers = list(await asyncio.gather(*(
-                self._spawn_shard(shard, verifier_sup, agents) for shard in shard_configs
-            )))
+            self.verifiers = list(await asyncio.gather(*(self._spawn_shard(s, verifier_sup, agents) for s in shards)))
             self.model_info = await self.verifiers[0].ask("info", timeout=cfg.start_timeout_s)
-            return await self._start_predictor(supervisor_config)  # checked against the model's info
+            return await self._start_predictor()
 
-        # The verifiers and the speculators start side by side: each is a child process that
-        # spends seconds importing torch and loading, and neither needs the other.
         try:
             async with asyncio.TaskGroup() as group:  # one failing cancels the other
                 predictor_started = group.create_task(start_verifiers_then_predictor())
-                speculators_started = group.create_task(self._start_speculators(supervisor_config, agents))
+                speculators_started = group.create_task(self._start_speculators(agents))
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0]  # what went wrong, not the group it was caught in
-        speculators = speculators_started.result()
-        predictor = predictor_started.result()
-        scheduler_config = SchedulerConfig(
-            num_rows=cfg.num_rows,
-            row_capacity=cfg.row_capacity,
-            vocab_size=int(self.model_info["vocab_size"]),
-            policy=cfg.scheduler,
-            max_wait_s=cfg.max_wait_s,
-            max_tree_nodes=cfg.max_tree_nodes,
-            adaptive_speculation=cfg.adaptive_speculation,
-            use_states=bool(self.speculators) and any(s.kind is SpeculatorKind.FEATURE for s in speculators),
-            step_timeout_s=cfg.step_timeout_s,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            max_decode_steps=cfg.max_decode_steps,
-        )
-        verifiers, speculators_refs = await self._scheduler_peers()
-        self.scheduler_supervisor = rt.local_supervisor(
-            supervisor_config, name="scheduler-supervisor", on_give_up=self._on_give_up)
+        return speculators_started.result(), predictor_started.result()
+
+    async def _start_scheduler(self, speculators: tuple[SpeculatorSpec, ...], predictor: ActorRef | None) -> None:
+        """The scheduler, under a supervisor of its own in this process."""
+        from treeserve.actors.scheduler.actor import SchedulerActor
+
+        cfg = self.config
+        use_states = bool(self.speculators) and any(s.kind is SpeculatorKind.FEATURE for s in speculators)
+        scheduler_config = wiring.scheduler_config(cfg, int(self.model_info["vocab_size"]), use_states)
+        verifiers, speculator_refs = await self._scheduler_peers()
+        self.scheduler_supervisor = self.runtime.local_supervisor(
+            wiring.supervisor_config(cfg), name="scheduler-supervisor", on_give_up=self._on_give_up)
         self.scheduler = await self.scheduler_supervisor.start_child(
-            "scheduler", lambda: SchedulerActor(scheduler_config, verifiers, speculators_refs, predictor,
+            "scheduler", lambda: SchedulerActor(scheduler_config, verifiers, speculator_refs, predictor,
                                                 observer=self.metrics))
-        gateway_config = GatewayConfig(
-            bind=cfg.bind or "tcp://127.0.0.1:0",  # unbound without a ZeroMQ gateway: its limits serve HTTP
-            model_name=cfg.model,
-            context_length=cfg.row_capacity - cfg.max_tree_nodes,
-            vocab_size=int(self.model_info["vocab_size"]),
-            max_concurrent_streams=cfg.max_concurrent_streams,
-            allow_public_bind=cfg.allow_public_bind,
-            scheduler_timeout_s=cfg.step_timeout_s,
-        )
+
+    async def _serve_front_ends(self, tokenizer: Any) -> None:
+        """The ZeroMQ gateway (with ``bind``) and the HTTP API's requests (with ``http``)."""
+        from treeserve.actors.gateway.actor import GatewayActor
+
+        cfg = self.config
+        gateway_config = wiring.gateway_config(cfg, int(self.model_info["vocab_size"]))
         if cfg.bind is not None:
             gateway = GatewayActor(gateway_config, tokenizer, self.scheduler, failures=lambda: self.failures)
-            await rt.node.host("gateway", gateway)
+            await self.runtime.node.host("gateway", gateway)
             self._gateway = gateway
             self._report(f"serving on {self.endpoint}")
         if self._http is not None:
@@ -333,7 +302,6 @@ class Server:
                 scheduler_timeout_s=gateway_config.scheduler_timeout_s, roles=chat_roles_for(tokenizer),
             ))
             self._report(f"HTTP API ready on {self._http.url}")
-        self._is_ready = True
 
     async def forget_traffic(self) -> None:
         """Empty the speculators' suffix indexes, which learn from every request served: later
@@ -342,8 +310,7 @@ class Server:
         cfg = self.config
         await asyncio.gather(*(s.ask("forget_traffic", None, timeout=cfg.step_timeout_s) for s in self.speculators))
 
-    async def _start_speculators(self, supervisor_config: SupervisorConfig,
-                                 agents: list[ActorRef]) -> tuple[SpeculatorSpec, ...]:
+    async def _start_speculators(self, agents: list[ActorRef]) -> tuple[SpeculatorSpec, ...]:
         """Spawn the speculator actors (none without speculators or actors); returns the specs."""
         from treeserve.actors.speculator import SpeculatorActor
 
@@ -353,12 +320,9 @@ class Server:
             return speculators
         self._report(f"starting {cfg.num_speculator_actors} speculator actor(s)")
         spec_sup = self.speculator_supervisor = rt.supervisor(
-            supervisor_config, name="speculator-supervisor", on_give_up=self._on_give_up)
-        spec_configs = [{
-            "model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": device,
-            "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
-            "num_threads": cfg.speculator_threads,
-        } for device in self.placement.speculator_devices]  # one actor per device (see place_devices)
+            wiring.supervisor_config(cfg), name="speculator-supervisor", on_give_up=self._on_give_up)
+        # One actor per device (see place_devices).
+        spec_configs = wiring.speculator_configs(cfg, self.placement.speculator_devices, speculators)
         if agents:
             from treeserve.runtime.cluster import spawn_on
 
@@ -374,7 +338,7 @@ class Server:
             )))
         return speculators
 
-    async def _start_predictor(self, supervisor_config: SupervisorConfig) -> ActorRef | None:
+    async def _start_predictor(self) -> ActorRef | None:
         """Spawn the length predictor when the policy orders by predicted length (else None)."""
         from treeserve.actors.length_predictor import LengthPredictorActor
         from treeserve.ops.length_predictor import load_predictor
@@ -396,10 +360,8 @@ class Server:
                              "train one for this model (treeserve train-predictor)")
         self._report("starting the length predictor")
         supervisor = self.predictor_supervisor = self.runtime.supervisor(
-            supervisor_config, name="predictor-supervisor", on_give_up=self._on_give_up)
-        config = {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": self.placement.verifier_devices[0],
-                  "predictor": cfg.predictor,
-                  "num_threads": 1, "online": cfg.online_predictor}
+            wiring.supervisor_config(cfg), name="predictor-supervisor", on_give_up=self._on_give_up)
+        config = wiring.predictor_config(cfg, self.placement.verifier_devices[0])
         self.predictor = await self.runtime.spawn(
             LengthPredictorActor, config, name="length-predictor", process="child", supervisor=supervisor)
         return self.predictor
@@ -412,11 +374,12 @@ class Server:
             return DevicePlacement((cfg.device,) * cfg.tp, (cfg.device,) * cfg.num_speculator_actors)
         return place_devices(cfg.device, cfg.tp, cfg.num_speculator_actors, count_gpus())
 
-    async def _spawn_shard(self, shard: dict[str, Any], supervisor: Any, agents: list[ActorRef]) -> ActorRef:
+    async def _spawn_shard(self, config: VerifierConfig, supervisor: Any, agents: list[ActorRef]) -> ActorRef:
         """Rank 0 (and every rank without nodes) runs as a child here; other ranks on nodes."""
         from treeserve.actors.verifier import VerifierShard
 
-        rank = int(shard["tp_rank"])
+        rank = config.tp_rank
+        shard = config.to_wire()
         name = f"verifier-{rank}"
         if rank == 0 or not agents:
             return await self.runtime.spawn(VerifierShard, shard, name=name, process="child", supervisor=supervisor)

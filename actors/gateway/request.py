@@ -237,31 +237,9 @@ def _messages(value: object, max_prompt_chars: int, roles: Collection[str]) -> t
     return tuple(out)
 
 
-def parse_generate(
-    body: object, *, vocab_size: int, context_length: int, max_prompt_chars: int,
-    roles: Collection[str] = CHAT_ROLES,
-) -> GenerateRequest:
-    """Validate an untrusted ``generate`` body; raises ``InvalidRequest`` naming the first
-    bad field. Checks: a map with str keys; no unknown field; a nil field is the same as an
-    absent one; exactly one of ``prompt`` (non-empty str of at most ``max_prompt_chars``
-    characters, i.e. Unicode code points) / ``messages`` (``roles`` only, at most
-    ``max_prompt_chars`` characters of content in all) / ``prompt_ids`` (ids in
-    ``[0, vocab_size)``, fewer than ``context_length``); ``max_tokens`` an int in
-    ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``
-    (below :data:`MIN_SAMPLING_TEMPERATURE` it becomes 0, greedy); ``top_p`` in ``(0, 1]``;
-    ``top_k`` nil or an int ``>= 1``; ``seed`` nil or an int in ``[0, 2**63)``;
-    ``stop_token_ids`` ids in the vocabulary; ``stop`` a str or an array of at most 16
-    non-empty strings of at most 256 characters; ``speculate`` one of tree/chain/none;
-    ``parse_special_tokens`` a bool (default false); ``length_hint`` nil or an int in
-    ``[1, 2**31)``."""
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the generate body must be a map, got {wire_type(body)}")
-    _keys(body, "the generate body's")
-    unknown = sorted(k for k in body if k not in GENERATE_FIELDS)
-    if unknown:
-        raise InvalidRequest(
-            f"unknown field(s) {unknown}; allowed: {sorted(GENERATE_FIELDS)}"
-        )
+def _prompt(body: Mapping[str, Any], vocab_size: int, context_length: int, max_prompt_chars: int,
+            roles: Collection[str]) -> tuple[str | None, tuple[ChatMessage, ...] | None, tuple[int, ...] | None]:
+    """The body's one prompt: ``prompt``, ``messages`` or ``prompt_ids`` (the others None)."""
     given = [k for k in ("prompt", "messages", "prompt_ids") if body.get(k) is not None]
     if len(given) != 1:
         raise InvalidRequest(
@@ -288,7 +266,35 @@ def parse_generate(
         prompt_ids = _token_ids(body["prompt_ids"], "prompt_ids", vocab_size, context_length - 1)
         if not prompt_ids:
             raise InvalidRequest("'prompt_ids' is empty")
+    return prompt, messages, prompt_ids
 
+
+def parse_generate(
+    body: object, *, vocab_size: int, context_length: int, max_prompt_chars: int,
+    roles: Collection[str] = CHAT_ROLES,
+) -> GenerateRequest:
+    """Validate an untrusted ``generate`` body; raises ``InvalidRequest`` naming the first
+    bad field. Checks: a map with str keys; no unknown field; a nil field is the same as an
+    absent one; exactly one of ``prompt`` (non-empty str of at most ``max_prompt_chars``
+    characters, i.e. Unicode code points) / ``messages`` (``roles`` only, at most
+    ``max_prompt_chars`` characters of content in all) / ``prompt_ids`` (ids in
+    ``[0, vocab_size)``, fewer than ``context_length``); ``max_tokens`` an int in
+    ``[1, context_length)`` (default ``min(128, context_length - 1)``); ``temperature`` finite and ``>= 0``
+    (below :data:`MIN_SAMPLING_TEMPERATURE` it becomes 0, greedy); ``top_p`` in ``(0, 1]``;
+    ``top_k`` nil or an int ``>= 1``; ``seed`` nil or an int in ``[0, 2**63)``;
+    ``stop_token_ids`` ids in the vocabulary; ``stop`` a str or an array of at most 16
+    non-empty strings of at most 256 characters; ``speculate`` one of tree/chain/none;
+    ``parse_special_tokens`` a bool (default false); ``length_hint`` nil or an int in
+    ``[1, 2**31)``."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the generate body must be a map, got {wire_type(body)}")
+    _keys(body, "the generate body's")
+    unknown = sorted(k for k in body if k not in GENERATE_FIELDS)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown field(s) {unknown}; allowed: {sorted(GENERATE_FIELDS)}"
+        )
+    prompt, messages, prompt_ids = _prompt(body, vocab_size, context_length, max_prompt_chars, roles)
     max_tokens = _field(body, "max_tokens", min(DEFAULT_MAX_TOKENS, context_length - 1))
     if not _is_int(max_tokens):
         raise InvalidRequest(f"'max_tokens' must be an int, got {wire_type(max_tokens)}")

@@ -159,6 +159,26 @@ class StopMatcher:
         return held
 
 
+_ENDED = object()
+"""What :func:`_next_item` returns once the stream has ended."""
+
+
+async def _next_item(items: AsyncGenerator[Any, None], item_timeout_s: float | None) -> Any:
+    """The scheduler's next item, or :data:`_ENDED`; silence past ``item_timeout_s`` is an
+    ``internal`` error (the scheduler sends a keepalive well within it)."""
+    wait = asyncio.timeout(item_timeout_s)
+    try:
+        async with wait:
+            return await anext(items)
+    except StopAsyncIteration:
+        return _ENDED
+    except TimeoutError:
+        if not wait.expired():
+            raise  # the scheduler's own deadline error
+        raise ActorError(f"the scheduler sent nothing for {item_timeout_s}s (it sends a keepalive "
+                         "well within that): it is stuck", code=ErrorCode.INTERNAL) from None
+
+
 async def relay_generation(
     scheduler: ActorRef,
     body: dict[str, Any],
@@ -193,18 +213,7 @@ async def relay_generation(
     # ask_stream is an async generator: closing it cancels the scheduler's stream.
     items = cast(AsyncGenerator[Any, None], scheduler.ask_stream("generate", body, timeout=timeout_s))
     async with contextlib.aclosing(items):
-        while True:
-            wait = asyncio.timeout(item_timeout_s)
-            try:
-                async with wait:
-                    item = await anext(items)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                if not wait.expired():
-                    raise  # the scheduler's own deadline error
-                raise ActorError(f"the scheduler sent nothing for {item_timeout_s}s (it sends a keepalive "
-                                 "well within that): it is stuck", code=ErrorCode.INTERNAL) from None
+        while (item := await _next_item(items, item_timeout_s)) is not _ENDED:
             if not isinstance(item, dict):
                 raise TypeError(f"scheduler yielded a {type(item).__name__}, expected a map")
             if item.get("done") is True:

@@ -1,0 +1,87 @@
+"""The server's composition root: every actor's typed config, built from a
+:class:`~treeserve.server_config.ServerConfig` (and what the start found out: devices, the
+model's vocabulary) in this one place, so :class:`~treeserve.server.Server` only starts things.
+
+A scheduler setting that ``ServerConfig`` carries under the scheduler's own field name reaches
+:class:`~treeserve.actors.scheduler.types.SchedulerConfig` by that name (:func:`shared_fields`),
+with nothing to wire here; ``ServerConfig.scheduler`` is the scheduler's ``policy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from treeserve.actors.gateway.config import GatewayConfig
+from treeserve.actors.scheduler.types import SchedulerConfig
+from treeserve.actors.speculator_factory import SpeculatorSpec
+from treeserve.actors.verifier_config import VerifierConfig
+from treeserve.runtime import RestartStrategy, RuntimeConfig, SupervisorConfig
+from treeserve.server_config import ServerConfig
+
+RUNTIME_CLOSE_TIMEOUT_S = 15.0
+"""How long closing the runtime waits for actors and children to stop."""
+
+
+def shared_fields(cfg: ServerConfig, target: type[Any], renames: dict[str, str] | None = None) -> dict[str, Any]:
+    """``cfg``'s values for ``target``'s dataclass fields that ``ServerConfig`` has too, by the
+    same name or by ``renames`` (target field -> ``ServerConfig`` field)."""
+    own = {f.name for f in fields(ServerConfig)}
+    renames = renames or {}
+    return {f.name: getattr(cfg, renames.get(f.name, f.name)) for f in fields(target)
+            if renames.get(f.name, f.name) in own}
+
+
+def supervisor_config(cfg: ServerConfig, strategy: RestartStrategy = RestartStrategy.ONE_FOR_ONE) -> SupervisorConfig:
+    """Every supervisor's restart budget and heartbeat watch (``one_for_all`` for the verifier
+    shards: a tensor-parallel group cannot survive the loss of one rank)."""
+    return SupervisorConfig(strategy=strategy, max_restarts=cfg.max_restarts, within_s=cfg.restart_window_s,
+                            heartbeat_interval_s=cfg.heartbeat_interval_s, start_timeout_s=cfg.start_timeout_s)
+
+
+def runtime_config(cfg: ServerConfig) -> RuntimeConfig:
+    """The head runtime: bound for other hosts only when ``num_nodes`` join it."""
+    return RuntimeConfig(bind=cfg.cluster_bind if cfg.num_nodes > 0 else None, allow_public_bind=cfg.allow_public_bind,
+                         supervisor=supervisor_config(cfg), heartbeat_interval_s=cfg.heartbeat_interval_s,
+                         close_timeout_s=RUNTIME_CLOSE_TIMEOUT_S)
+
+
+def verifier_configs(cfg: ServerConfig, devices: tuple[str, ...], dist_init: str | None,
+                     num_threads: int) -> list[VerifierConfig]:
+    """One shard's config per tensor-parallel rank, on ``devices[rank]``."""
+    same = shared_fields(cfg, VerifierConfig, {"tp_size": "tp"})
+    return [VerifierConfig(**{**same, "tp_rank": rank, "device": devices[rank], "dist_init": dist_init,
+                              "num_threads": num_threads})
+            for rank in range(cfg.tp)]
+
+
+def speculator_configs(cfg: ServerConfig, devices: tuple[str, ...],
+                       speculators: tuple[SpeculatorSpec, ...]) -> list[dict[str, Any]]:
+    """One speculator actor's constructor dict per device."""
+    return [{"model": cfg.model, "cache_dir": cfg.cache_dir, "dtype": cfg.dtype, "device": device,
+             "speculators": [s.to_wire() for s in speculators], "capacity": cfg.row_capacity,
+             "num_threads": cfg.speculator_threads} for device in devices]
+
+
+def predictor_config(cfg: ServerConfig, device: str) -> dict[str, Any]:
+    """The length-predictor actor's constructor dict (one thread, beside the verifier)."""
+    return {"model": cfg.model, "cache_dir": cfg.cache_dir, "device": device, "predictor": cfg.predictor,
+            "num_threads": 1, "online": cfg.online_predictor}
+
+
+def scheduler_config(cfg: ServerConfig, vocab_size: int, use_states: bool) -> SchedulerConfig:
+    """The scheduler's settings: those ``ServerConfig`` shares by name, its policy, and what the
+    verifier reported (``vocab_size``) and the speculators need (``use_states``)."""
+    same = shared_fields(cfg, SchedulerConfig, {"policy": "scheduler"})
+    return SchedulerConfig(**{**same, "vocab_size": vocab_size, "use_states": use_states})
+
+
+def gateway_config(cfg: ServerConfig, vocab_size: int) -> GatewayConfig:
+    """The front ends' limits (the ZeroMQ gateway's, which the HTTP API applies too): the
+    context a request may fill is a row less the slots one token tree takes."""
+    return GatewayConfig(
+        bind=cfg.bind or "tcp://127.0.0.1:0",  # unbound without a ZeroMQ gateway: its limits serve HTTP
+        model_name=cfg.model, context_length=cfg.row_capacity - cfg.max_tree_nodes, vocab_size=vocab_size,
+        max_concurrent_streams=cfg.max_concurrent_streams, allow_public_bind=cfg.allow_public_bind,
+        scheduler_timeout_s=cfg.step_timeout_s,
+    )
