@@ -92,9 +92,13 @@ def add_train_parsers(sub: Any) -> None:
 
 
 def cmd_train_predictor(args: argparse.Namespace) -> int:
+    from treeserve.ops.length_predictor import PredictorError
     from treeserve.training.predictor import run
 
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except PredictorError as exc:  # a missing dataset or an unusable file: the message says what to run
+        raise UserError(str(exc)) from None
 
 
 class _StageProgress:
