@@ -56,10 +56,10 @@ def products(repeats: int) -> dict[str, dict[str, dict[str, float]]]:
 
 def prefills(repeats: int) -> dict[str, dict[str, float]]:
     from treeserve.models import DEFAULT_MODEL, load_model
-    from treeserve.ops import formats
+    from treeserve.ops import linears
 
     model = load_model(DEFAULT_MODEL, weight_format="float32").model
-    kernels = [m for m in model.modules() if isinstance(m, formats.Float32Linear)]
+    kernels = [m for m in model.modules() if isinstance(m, linears.Float32Linear)]
     gen = torch.Generator().manual_seed(1)
     out: dict[str, dict[str, float]] = {}
     for length in (16, 128, 512):
@@ -72,10 +72,10 @@ def prefills(repeats: int) -> dict[str, dict[str, float]]:
         for _ in range(3):
             ours.append(median_ms(prefill, repeats))
             for m in kernels:  # the same weights through F.linear
-                m.__class__ = formats.DenseLinear
+                m.__class__ = linears.DenseLinear
             theirs.append(median_ms(prefill, repeats))
             for m in kernels:
-                m.__class__ = formats.Float32Linear
+                m.__class__ = linears.Float32Linear
         a, b = statistics.median(ours), statistics.median(theirs)
         out[str(length)] = {"dense_cpu_ms": round(a, 1), "f_linear_ms": round(b, 1), "ratio": round(a / b, 2)}
     return out

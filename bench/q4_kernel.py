@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from forward import median_seconds  # bench/ is on sys.path when this file runs as a script
 
-from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
+from treeserve.ops.linears import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import cpp_build, q4_amx
 from treeserve.ops.kernels.cpp_build import cpu_flags
 

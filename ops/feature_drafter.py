@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from treeserve.ops.decode_step import CompiledStep, artifact_name, begin_step, blocks_hidden
 from treeserve.ops.drafting import start_request, validate_expansion
-from treeserve.ops.formats import Q8Linear, WeightFormat, q8_buffers
+from treeserve.ops.formats import WeightFormat
+from treeserve.ops.linears import Q8Linear, q8_buffers
 from treeserve.ops.kernels import q8_amx
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, ModelConfig, Transformer

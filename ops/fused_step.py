@@ -12,7 +12,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from treeserve.ops.formats import Codes8Linear, Int4Linear
+from treeserve.ops.linears import Codes8Linear, Int4Linear
 from treeserve.ops.kernels import decode_layers
 from treeserve.ops.model import ACTIVATIONS, Block, Transformer
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks
-from treeserve.ops.formats import PREPARED_KERNELS, WeightFormat, apply_format, prepared_buffers, resolve_format
+from treeserve.ops.formats import WeightFormat, apply_format, prepared_buffers, resolve_format
+from treeserve.ops.linears import PREPARED_KERNELS
 from treeserve.ops.loaders.registry import (
     DEFAULT_MODEL,
     REGISTRY,

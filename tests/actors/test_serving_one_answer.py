@@ -37,7 +37,7 @@ import torch
 
 from treeserve.client import Client, Completion
 from treeserve.models import DEFAULT_MODEL, load_model
-from treeserve.ops.formats import Int4Linear
+from treeserve.ops.linears import Int4Linear
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by conftest.py

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops import formats
+from treeserve.ops import formats, linears
 from treeserve.ops.kernels import cpp_build, dense_cpu
 
 from .conftest import make_tiny_model
@@ -88,9 +88,9 @@ def test_the_float32_format_runs_the_kernel() -> None:
     """Every linear and the head of a float32-formatted model (its logits against the unformatted
     model's: ``test_formats.py``)."""
     model = formats.apply_format(make_tiny_model(0), "float32")
-    kernels = [m for m in model.modules() if isinstance(m, formats.DenseLinear)]
+    kernels = [m for m in model.modules() if isinstance(m, linears.DenseLinear)]
     assert model.head_kernel in kernels and len(kernels) == 1 + 4 * len(model.layers)
-    assert all(isinstance(m, formats.Float32Linear) for m in kernels)
+    assert all(isinstance(m, linears.Float32Linear) for m in kernels)
 
 
 BUILD_SCRIPT = """

@@ -7,19 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.ops.formats import (
-    AUTO_FORMAT,
-    FormatUnsupportedError,
-    Int4Linear,
-    Q4Blocks,
-    WeightFormat,
-    apply_format,
-    make_linear,
-    q4_blocks_from_float,
-    q8_0_from_float,
-    resolve_format,
-    weight_bytes_per_token,
-)
+from treeserve.ops.formats import AUTO_FORMAT, Q4Blocks, WeightFormat, apply_format, make_linear, resolve_format, weight_bytes_per_token
+from treeserve.ops.linears import FormatUnsupportedError, Int4Linear, q4_blocks_from_float, q8_0_from_float
 from treeserve.ops.kernels import q4_amx
 from treeserve.ops.block_types import BLOCK_TYPES
 from treeserve.ops.tree_attention import tree_mask_from_parents

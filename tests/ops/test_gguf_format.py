@@ -12,7 +12,8 @@ import torch
 
 from treeserve.ops.block_types import BLOCK_TYPES, StoredBlocks
 from treeserve.ops.decode_step import DecodeStep
-from treeserve.ops.formats import Codes8Linear, Int4Linear, apply_format
+from treeserve.ops.formats import apply_format
+from treeserve.ops.linears import Codes8Linear, Int4Linear
 from treeserve.ops.kernels import codes8
 from treeserve.ops.model import Transformer
 

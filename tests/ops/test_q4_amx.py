@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from treeserve.ops.formats import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
+from treeserve.ops.linears import INT4_INNER_K_TILES, Int4Linear, q4_blocks_from_float
 from treeserve.ops.kernels import avx2, q4_amx
 from treeserve.ops.kernels.cpp_build import cpu_flags
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeserve.ops.formats import Q8Linear, q8_0_from_float, q8_buffers
+from treeserve.ops.linears import Q8Linear, q8_0_from_float, q8_buffers
 from treeserve.ops.kernels import avx2, q8_amx
 
 pytestmark = pytest.mark.skipif(not q8_amx.available(), reason="needs a CPU with AVX-512 or AVX2, and a C++ compiler")
