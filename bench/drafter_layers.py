@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from treeserve.models import LoadedModel, load_model
-from treeserve.training.distill import read_prompts, select_prompts
+from treeserve.training.teacher import read_prompts, select_prompts
 # training_windows and training_batch: the windows and batches distill-features trains on (public for this bench)
 from treeserve.training.feature_distill import (StateSequence, training_batch, training_windows, draft_vocabulary, feature_loss,
                                            generate_state_data, unrolled_features)

@@ -377,7 +377,8 @@ def build_twin(folder: Path, tokenizer_dir: Path, config: dict[str, Any]) -> Pat
     from safetensors.torch import save_file
 
     from treeserve.ops.loaders.load import CONFIG_FILE, CONVERTED_FORMAT_VERSION, WEIGHTS_FILE
-    from treeserve.ops.model import ModelConfig, Transformer
+    from treeserve.ops.model import Transformer
+    from treeserve.ops.model_config import ModelConfig
 
     if (folder / CONFIG_FILE).exists():
         return folder

@@ -25,7 +25,7 @@ AlpacaEval, and ``--out-noncommercial`` (default
 AlpacaEval's rows, whose data is CC BY-NC. Their ``#`` header lines record the
 provenance (script, model and its GGUF sha256, parameters, date, git commit); the rows are
 ``dataset,id,prompt_sha256,num_prompt_tokens,num_output_tokens,is_capped``. No prompt text is
-stored: :func:`treeserve.training.predictor.load_length_data` joins the rows back to the prompt files by
+stored: :func:`treeserve.training.length_data.load_length_data` joins the rows back to the prompt files by
 ``(dataset, id)`` and checks ``prompt_sha256``.
 
 Usage (the shipped 512-token data; ``bench/data/README.md`` gives the times)::

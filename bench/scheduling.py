@@ -465,13 +465,13 @@ multi-category questions, code (HumanEval) and math (GSM8K)."""
 def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0,
                sets: Sequence[str] = CHAT_TRACE_SETS, max_prompt_tokens: int = 384,
                tokenizer: Any = None) -> list[dict[str, Any]]:
-    """``num`` prompts from the held-out test split (``treeserve.training.predictor.is_test_prompt``) of
+    """``num`` prompts from the held-out test split (``treeserve.training.length_data.is_test_prompt``) of
     ``sets``, as one-turn chat ``messages``, with bursty Gamma arrivals (mean ``rate``/s, CV
     ``cv``). The predictor never trained on them. The sets share ``num`` as evenly as their test
     splits allow (seeded random picks within each), and with ``tokenizer`` prompts longer than
     ``max_prompt_tokens`` chat-templated are skipped (as ``bench/predictor_data.py`` skips them).
     Prompts of :data:`REFERENCE_SETS` are written by source and hash only (:func:`read_trace`)."""
-    from treeserve.training.predictor import is_test_prompt
+    from treeserve.training.length_data import is_test_prompt
 
     rng = np.random.default_rng(seed)
     pools: dict[str, list[tuple[str, str]]] = {}

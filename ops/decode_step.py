@@ -50,7 +50,8 @@ from torch import Tensor
 from treeserve.ops import fused_step
 from treeserve.ops.kernels import tree_attention_cpu
 from treeserve.ops.kv_cache import KVCache, write_pending
-from treeserve.ops.model import Block, Transformer, apply_rope
+from treeserve.ops.model import Block, Transformer
+from treeserve.ops.model_config import apply_rope
 from treeserve.ops.tree_attention import attention_under_mask, build_attention_mask, window_mask
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ from treeserve.ops.formats import WeightFormat
 from treeserve.ops.linears import Q8Linear, q8_buffers
 from treeserve.ops.kernels import q8_amx
 from treeserve.ops.kv_cache import KVCache
-from treeserve.ops.model import Block, ModelConfig, Transformer
+from treeserve.ops.model import Block, Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.ssm import SSMConfig, add_spine_children, fit_spine_widths
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder

@@ -98,7 +98,8 @@ from treeserve.ops.linears import (
     q8_buffers,
     q8_head_fits,
 )
-from treeserve.ops.model import Block, ModelConfig, Transformer
+from treeserve.ops.model import Block, Transformer
+from treeserve.ops.model_config import ModelConfig
 
 
 def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None,

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from treeserve.ops.linears import Codes8Linear, Int4Linear
 from treeserve.ops.kernels import decode_layers
-from treeserve.ops.model import ACTIVATIONS, Block, Transformer
+from treeserve.ops.model import Block, Transformer
+from treeserve.ops.model_config import ACTIVATIONS
 
 
 def kernel_of(model: torch.nn.Module) -> int | None:

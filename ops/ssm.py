@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from treeserve.ops.drafting import Speculator, start_request, validate_expansion
 from treeserve.ops.kv_cache import KVCache
-from treeserve.ops.model import Block, ModelConfig, Transformer
+from treeserve.ops.model import Block, Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from treeserve.ops.token_tree import TokenTree, TokenTreeBuilder
 

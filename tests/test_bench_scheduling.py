@@ -203,7 +203,7 @@ def test_burst_and_rate_replays_keep_every_request_once() -> None:
 
 
 def test_the_shipped_trace_is_chat_from_the_test_split_with_no_restricted_text() -> None:
-    from treeserve.training.predictor import is_test_prompt
+    from treeserve.training.length_data import is_test_prompt
 
     trace = sched.read_trace(SHIPPED_TRACE, resolve=False)
     assert len(trace) >= 32 and all(e["max_tokens"] == 512 for e in trace)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treeserve.actors.model_host import check_device
-from treeserve.actors.verifier import process_group_backend
+from treeserve.actors.verify_fns import process_group_backend
 from treeserve.server import Server
 from treeserve.server_config import ServerConfig
 from treeserve.server_devices import DeviceUnavailableError, place_devices
@@ -89,7 +89,7 @@ def test_world_size_one_group_broadcasts_the_decision() -> None:
     is global state)."""
     script = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from treeserve.actors.verifier import rank0_broadcast_verifier
+        from treeserve.actors.verify_fns import rank0_broadcast_verifier
         from treeserve.ops.sampling import SamplingParams, randomness_for
         from treeserve.ops.token_tree import TokenTree
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

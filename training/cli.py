@@ -149,7 +149,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.training.distill import BoostConfig, read_prompts, run_distillation, select_prompts
+    from treeserve.training.distill import BoostConfig, run_distillation
+    from treeserve.training.teacher import read_prompts, select_prompts
 
     torch.set_num_threads(max(args.threads, 1))
     try:
@@ -217,7 +218,7 @@ def cmd_synth_prompts(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.training.distill import read_prompts, self_written_prompts
+    from treeserve.training.teacher import read_prompts, self_written_prompts
 
     torch.set_num_threads(max(args.threads, 1))
     name = model_name(args)
@@ -246,7 +247,7 @@ def cmd_distill_features(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.models import load_model
-    from treeserve.training.distill import read_prompts, select_prompts
+    from treeserve.training.teacher import read_prompts, select_prompts
     from treeserve.training.feature_distill import (
         TrainConfig,
         draft_vocabulary,

@@ -2,7 +2,7 @@
 
 Data: the LLM's own greedy answers to prompts, with its final hidden state ``f_t`` at every
 position, recorded while it answers (:func:`generate_state_data`, which can continue the
-answers of :func:`treeserve.training.distill.generate_teacher_data`); :func:`collect_states` records
+answers of :func:`treeserve.training.teacher.generate_teacher_data`); :func:`collect_states` records
 the states of given sequences in one more pass. Each training pair
 ``(f_t, x_{t+1})`` has the target ``f_{t+1}`` and the LLM's next-token distribution at
 ``t + 1`` over the draft vocabulary (``softmax(f_{t+1} W_K^T)``), so the drafter learns the

@@ -25,148 +25,25 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from treeserve.ops.length_predictor import (
-    BUCKET_EDGES,
     DEFAULT_ALPHAS,
-    DEFAULT_PREDICTOR_FILE,
-    FEATURE_KINDS,
     HEADS,
     FeatureSpec,
-    OnlineHead,
     Predictor,
     PredictorError,
-    bucket_of,
     evaluate,
     features,
-    fit_predictor,
     fit_ordinal_predictor,
+    fit_predictor,
     fit_rank_predictor,
-    kendall_tau,
     load_predictor,
-    lookup_predictor,
     pooled_hidden_features,
     prompt_hidden,
-    token_features,
 )
+from treeserve.training.length_data import LengthExample, is_test_prompt, load_length_data
 
 if TYPE_CHECKING:
     from treeserve.ops.model import Transformer
 
-__all__ = [
-    "BUCKET_EDGES",
-    "DEFAULT_ALPHAS",
-    "DEFAULT_PREDICTOR_FILE",
-    "FEATURE_KINDS",
-    "HEADS",
-    "TEST_FRACTION",
-    "FeatureSpec",
-    "LengthExample",
-    "OnlineHead",
-    "Predictor",
-    "PredictorError",
-    "TrainReport",
-    "add_arguments",
-    "bucket_of",
-    "evaluate",
-    "cache_hidden_features",
-    "feature_matrix",
-    "features",
-    "fit_predictor",
-    "fit_head",
-    "fit_ordinal_predictor",
-    "fit_rank_predictor",
-    "held_out_by_dataset",
-    "hidden_features_at",
-    "is_test_prompt",
-    "kendall_tau",
-    "load_length_data",
-    "load_predictor",
-    "lookup_predictor",
-    "main",
-    "pooled_hidden_features",
-    "prompt_hidden",
-    "read_length_csv",
-    "run",
-    "spec_name",
-    "token_features",
-    "train_predictor",
-    "write_predictions",
-]
-
-
-# ---------------------------------------------------------------------------------- data
-TEST_FRACTION = 0.2
-"""Share of every prompt set held out as test prompts (:func:`is_test_prompt`)."""
-
-
-def is_test_prompt(dataset: str, prompt_id: str) -> bool:
-    """Whether ``(dataset, id)`` is in the held-out test split: about :data:`TEST_FRACTION` of
-    every set, fixed by a hash (no seed, no file). The predictor never trains on these, and the
-    scheduling benchmark's traces take their prompts only from them."""
-    digest = hashlib.sha256(f"{dataset}/{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") < TEST_FRACTION * 2**32
-
-
-@dataclass(frozen=True)
-class LengthExample:
-    """One recorded prompt: where it came from, its chat-templated ids and the real output length."""
-
-    dataset: str
-    id: str
-    prompt_ids: tuple[int, ...]
-    num_output_tokens: int
-    is_capped: bool
-
-
-def read_length_csv(path: str | Path) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """The provenance header (``# key: json``) and the rows of a ``bench/predictor_data.py`` CSV."""
-    header: dict[str, Any] = {}
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    body = []
-    for line in lines:
-        if line.startswith("# "):
-            key, _, value = line[2:].partition(": ")
-            header[key] = json.loads(value)
-        elif line.strip():
-            body.append(line)
-    return header, list(csv.DictReader(body))
-
-
-def load_length_data(csv_path: str | Path | Sequence[str | Path], prompts_dir: str | Path,
-                     tokenizer: Any) -> tuple[dict[str, Any], list[LengthExample]]:
-    """Join the CSV rows (one file or several) with the prompt files (``<prompts_dir>/<dataset>.jsonl``) by id.
-
-    Each prompt is checked against the row's ``prompt_sha256`` and re-tokenized with the chat
-    template; a row whose prompt is missing or differs raises :class:`PredictorError`. The
-    header returned is the first file's; a later file's ``max_tokens`` must agree with it.
-    """
-    paths = [csv_path] if isinstance(csv_path, str | Path) else list(csv_path)
-    header: dict[str, Any] = {}
-    rows: list[dict[str, str]] = []
-    for path in paths:
-        file_header, file_rows = read_length_csv(path)
-        if header and file_header.get("max_tokens") != header.get("max_tokens"):
-            raise PredictorError(f"{path} was recorded with max_tokens {file_header.get('max_tokens')}, "
-                                 f"not {header.get('max_tokens')}")
-        header = header or file_header
-        rows.extend(file_rows)
-    prompts: dict[tuple[str, str], str] = {}
-    for dataset in sorted({r["dataset"] for r in rows}):
-        path = Path(prompts_dir) / f"{dataset}.jsonl"
-        if not path.exists():
-            raise PredictorError(f"{path} is missing: run python bench/data/fetch.py {dataset}")
-        for line in path.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                record = json.loads(line)
-                prompts[(dataset, str(record["id"]))] = record["prompt"]
-    examples = []
-    for row in rows:
-        prompt = prompts.get((row["dataset"], row["id"]))
-        if prompt is None or hashlib.sha256(prompt.encode("utf-8")).hexdigest() != row["prompt_sha256"]:
-            raise PredictorError(f"prompt {row['dataset']}/{row['id']} is missing or differs from the recorded one")
-        ids = tuple(int(t) for t in tokenizer.encode_chat([{"role": "user", "content": prompt}]))
-        examples.append(LengthExample(row["dataset"], row["id"], ids, int(row["num_output_tokens"]),
-                                      row["is_capped"] == "1"))
-    return header, examples
 
 
 # ---------------------------------------------------------------------------------- training
@@ -414,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="other feature specs to report on the held-out prompts")
     parser.add_argument("--cross-validate", action="store_true",
                         help="report k-fold cross-validation over all prompts instead of the held-out test split "
-                             "(treeserve.training.predictor.is_test_prompt); the saved head is then fit on every prompt")
+                             "(treeserve.training.length_data.is_test_prompt); the saved head is then fit on every prompt")
     parser.add_argument("--features-cache", type=Path, default=Path("bench/out/predictor_features"),
                         help="keep computed features here, by prompt hash, for reruns")
     parser.add_argument("--out", type=Path, default=None, help="where to save the .npz (default: do not save)")
@@ -525,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
         "trained_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": args.head,
         "data": [str(p) for p in data], "data_provenance": header, "num_examples": len(examples),
         "num_train": len(train), "num_test": len(test), "train_sets": sorted({e.dataset for e in train}),
-        "split": "cross-validation" if args.cross_validate else "treeserve.training.predictor.is_test_prompt",
+        "split": "cross-validation" if args.cross_validate else "treeserve.training.length_data.is_test_prompt",
         "model": model_name, "model_gguf_sha256": spec_obj.gguf_sha256 if spec_obj else None,
         "folds": args.folds, "seed": args.seed, "script": "treeserve train-predictor",
         "train_s_with_features": round(seconds, 1),

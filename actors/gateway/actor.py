@@ -9,7 +9,6 @@ report whether the server behind it has failed for good (a supervisor gave up).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from treeserve.actors.gateway.config import (
     GatewayStats,
     TokenizerLike,
 )
-from treeserve.actors.gateway.peers import ClientPeers, cut_off_error
+from treeserve.actors.gateway.peers import CancelReason, ClientPeers, PeerGone, Stream, cut_off_error
 from treeserve.actors.gateway.request import GenerateRequest, InvalidRequest, parse_generate
 from treeserve.actors.gateway.stream import (
     chat_roles_for,
@@ -58,33 +57,6 @@ _log = logging.getLogger(__name__)
 
 _SEND_RETRY_S = 0.005  # polling a slow client's full queue: 256 streams must not spin the loop
 _FINAL_RETRY_S = 0.05  # retrying a lost stream's final error until its client is back
-
-
-class _Why(enum.Enum):
-    """Why a stream task was cancelled (decides what the client is told: nothing after its
-    own cancel, ``unavailable`` at shutdown, a final ``cancelled`` error when it was cut off)."""
-
-    CLIENT_CANCEL = "client_cancel"
-    SILENT = "client_silent"  # nothing heard from the client for disconnect_timeout_s
-    UNREACHABLE = "client_unreachable"  # a message to it could not be delivered
-    SHUTDOWN = "shutdown"
-
-
-class _PeerGone(Exception):
-    """Internal: the client stopped accepting messages mid-stream."""
-
-
-class _Stream:
-    """One open generate stream: its client, request id, task and items sent so far."""
-
-    __slots__ = ("cancel_reason", "msg_id", "peer", "seq", "task")
-
-    def __init__(self, peer: bytes, msg_id: int) -> None:
-        self.peer = peer
-        self.msg_id = msg_id
-        self.seq = 0
-        self.task: asyncio.Task[None] | None = None
-        self.cancel_reason: _Why | None = None
 
 
 SchedulerSource: TypeAlias = ActorRef | Callable[[], ActorRef]
@@ -137,7 +109,7 @@ class GatewayActor(Actor):
         self._ctx: zmq.asyncio.Context | None = None
         self._auth: CurveAuthenticator | None = None
         self._sock: zmq.asyncio.Socket | None = None  # until the Inbound owns it
-        self._inbound: Inbound[_Stream] | None = None  # the open streams, by (peer, request id)
+        self._inbound: Inbound[Stream] | None = None  # the open streams, by (peer, request id)
         self._endpoint = ""
         self._serve_task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -190,7 +162,7 @@ class GatewayActor(Actor):
         if self._inbound is not None:
             for stream in self._inbound.open_calls():
                 if stream.cancel_reason is None:
-                    stream.cancel_reason = _Why.SHUTDOWN
+                    stream.cancel_reason = CancelReason.SHUTDOWN
         task, self._serve_task = self._serve_task, None
         if task is not None:
             task.cancel()
@@ -234,7 +206,7 @@ class GatewayActor(Actor):
         self.stats_counters.num_invalid += 1
         return Refusal(ErrorCode.INVALID_REQUEST, text)
 
-    def _admit(self, peer: bytes, req: Request, deadline: float | None) -> _Stream | Refusal | None:
+    def _admit(self, peer: bytes, req: Request, deadline: float | None) -> Stream | Refusal | None:
         """Answer ``info``/``health`` at once, or start a ``generate`` stream (``Inbound``
         already refused undecodable messages, reused ids and expired deadlines)."""
         if req.target != GATEWAY_TARGET:
@@ -270,7 +242,7 @@ class GatewayActor(Actor):
                            f"{self.num_active_streams} streams open (max {cfg.max_concurrent_streams}); retry later")
         if self._tg is None or self._is_stopping:
             return Refusal(ErrorCode.UNAVAILABLE, "the gateway is shutting down")
-        stream = _Stream(peer, req.id)
+        stream = Stream(peer, req.id)
         timeout_s = None if req.timeout_ms is None else req.timeout_ms / 1000
         stream.task = self._tg.create_task(self._run_stream(stream, parsed, timeout_s),
                                            name=f"gateway:stream:{req.id}")
@@ -304,9 +276,9 @@ class GatewayActor(Actor):
         if peer in self._peers:  # any message is a sign of life
             self._peers.heard_from(peer, asyncio.get_running_loop().time())
 
-    def _on_client_cancel(self, stream: _Stream) -> None:
+    def _on_client_cancel(self, stream: Stream) -> None:
         self.stats_counters.num_cancels += 1
-        self._cancel(stream, _Why.CLIENT_CANCEL)
+        self._cancel(stream, CancelReason.CLIENT_CANCEL)
 
     async def _watch_peers(self) -> None:
         cfg = self.config
@@ -323,14 +295,14 @@ class GatewayActor(Actor):
                 for peer in self._peers.silent(now, cfg.disconnect_timeout_s):
                     _log.info("gateway: client silent for over %.1fs; cancelling its streams",
                               cfg.disconnect_timeout_s)
-                    self._disconnect(peer, _Why.SILENT)
+                    self._disconnect(peer, CancelReason.SILENT)
             self._beat_all()
 
     def _beat_all(self) -> None:
         """Heartbeat every watched client; one that cannot be reached loses its streams."""
         for peer, seq in self._peers.next_beats():
             if self._send_now(peer, Heartbeat(seq, time.time(), GATEWAY_TARGET)) is SendOutcome.GONE:
-                self._disconnect(peer, _Why.UNREACHABLE)
+                self._disconnect(peer, CancelReason.UNREACHABLE)
 
     def _on_connection_dropped(self) -> None:
         """ZeroMQ dropped a client connection (it does not say whose: a frame above the size
@@ -338,7 +310,7 @@ class GatewayActor(Actor):
         now, before a client that keeps its routing id is back, so none loses items silently."""
         self._beat_all()
 
-    def _disconnect(self, peer: bytes, why: _Why, current: _Stream | None = None) -> None:
+    def _disconnect(self, peer: bytes, why: CancelReason, current: Stream | None = None) -> None:
         """Cancel every stream of ``peer`` for ``why``; ``current`` (the caller's own stream,
         which is ending by itself) is only marked."""
         if current is not None:
@@ -352,13 +324,13 @@ class GatewayActor(Actor):
             if stream is not None and stream is not current:
                 self._cancel(stream, why)
 
-    def _cancel(self, stream: _Stream, why: _Why) -> None:
+    def _cancel(self, stream: Stream, why: CancelReason) -> None:
         if stream.cancel_reason is None:
             stream.cancel_reason = why
         if stream.task is not None:
             stream.task.cancel()
 
-    def _forget(self, stream: _Stream) -> None:
+    def _forget(self, stream: Stream) -> None:
         if self._inbound is not None:
             self._inbound.release(stream.peer, stream.msg_id)
         self._peers.closed(stream.peer, stream.msg_id)
@@ -368,20 +340,20 @@ class GatewayActor(Actor):
     def _send_now(self, peer: bytes, msg: Message) -> SendOutcome:
         return SendOutcome.GONE if self._inbound is None else self._inbound.send(peer, msg)
 
-    async def _send(self, stream: _Stream, msg: Message) -> None:
-        """Send, retrying while the client's queue is full; raises ``_PeerGone`` when the
+    async def _send(self, stream: Stream, msg: Message) -> None:
+        """Send, retrying while the client's queue is full; raises ``PeerGone`` when the
         client is gone or has not drained its queue within ``disconnect_timeout_s``."""
         inbound = self._inbound
         if inbound is None or not await inbound.send_when_ready(
                 stream.peer, inbound.encode(msg), give_up_s=self.config.disconnect_timeout_s):
-            raise _PeerGone
+            raise PeerGone
 
     # ------------------------------------------------------------------ one stream
 
-    async def _run_stream(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:
+    async def _run_stream(self, stream: Stream, req: GenerateRequest, timeout_s: float | None) -> None:
         try:
             error = await self._generate_guarded(stream, req, timeout_s)
-            if stream.cancel_reason in (_Why.SILENT, _Why.UNREACHABLE):
+            if stream.cancel_reason in (CancelReason.SILENT, CancelReason.UNREACHABLE):
                 self._tell_cut_off(stream)
             elif error is None:
                 self.stats_counters.num_completed += 1
@@ -392,20 +364,20 @@ class GatewayActor(Actor):
                     error = Error(error.id, error.code, f"{error.message} ({_failed_text(failures)})", False)
                 self._send_now(stream.peer, error)
         except asyncio.CancelledError:
-            if stream.cancel_reason in (None, _Why.SHUTDOWN):
+            if stream.cancel_reason in (None, CancelReason.SHUTDOWN):
                 self._send_now(stream.peer, Error(
                     stream.msg_id, ErrorCode.UNAVAILABLE, "the gateway is shutting down", True))
-            elif stream.cancel_reason in (_Why.SILENT, _Why.UNREACHABLE):
+            elif stream.cancel_reason in (CancelReason.SILENT, CancelReason.UNREACHABLE):
                 self._tell_cut_off(stream)
             raise
         finally:
             self._forget(stream)
 
-    def _tell_cut_off(self, stream: _Stream) -> None:
+    def _tell_cut_off(self, stream: Stream) -> None:
         """Send the final error of a stream the gateway cut off, now or, when its client cannot
         be reached, from an owned task that retries until it can or ``disconnect_timeout_s``."""
         cfg = self.config
-        error = cut_off_error(stream.msg_id, is_silent=stream.cancel_reason is _Why.SILENT,
+        error = cut_off_error(stream.msg_id, is_silent=stream.cancel_reason is CancelReason.SILENT,
                               disconnect_timeout_s=cfg.disconnect_timeout_s,
                               heartbeat_interval_s=cfg.heartbeat_interval_s)
         if self._send_now(stream.peer, error) is SendOutcome.SENT or self._tg is None or self._is_stopping:
@@ -426,13 +398,13 @@ class GatewayActor(Actor):
 
 
     async def _generate_guarded(
-        self, stream: _Stream, req: GenerateRequest, timeout_s: float | None
+        self, stream: Stream, req: GenerateRequest, timeout_s: float | None
     ) -> Error | None:
         try:
             async with asyncio.timeout(timeout_s):
                 await self._generate(stream, req, timeout_s)
-        except _PeerGone:
-            self._disconnect(stream.peer, _Why.UNREACHABLE, current=stream)
+        except PeerGone:
+            self._disconnect(stream.peer, CancelReason.UNREACHABLE, current=stream)
             return None
         except Exception as exc:
             if isinstance(exc, InvalidRequest):
@@ -440,7 +412,7 @@ class GatewayActor(Actor):
             return error_reply(stream.msg_id, exc, timeout_s)
         return None
 
-    async def _generate(self, stream: _Stream, req: GenerateRequest, timeout_s: float | None) -> None:
+    async def _generate(self, stream: Stream, req: GenerateRequest, timeout_s: float | None) -> None:
         prompt_ids = prompt_ids_for(self._tokenizer, req, self.config.context_length)
         check_fits(len(prompt_ids), req.max_tokens, self.config.context_length)
         scheduler = self._scheduler if isinstance(self._scheduler, ActorRef) else self._scheduler()

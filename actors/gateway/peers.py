@@ -6,17 +6,20 @@ KV rows. So every client with a stream open is watched (``transport/PROTOCOL.md`
 any message from it is a sign of life, the gateway heartbeats it every interval, and a
 client silent for ``disconnect_timeout_s`` is cut off. This table makes those decisions;
 the gateway does the sending and cancelling. A stream cut off still ends with a final error,
-``cut_off_error`` (``transport/PROTOCOL.md`` 11.5).
+``cut_off_error`` (``transport/PROTOCOL.md`` 11.5). A client's open stream is a ``Stream``; why
+the gateway cancelled it, a ``CancelReason``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 from dataclasses import dataclass, field
 
 from treeserve.transport.messages import Error
 from treeserve.transport.wire import ErrorCode
 
-__all__ = ["ClientPeers", "cut_off_error"]
+__all__ = ["CancelReason", "ClientPeers", "PeerGone", "Stream", "cut_off_error"]
 
 
 def cut_off_error(msg_id: int, *, is_silent: bool, disconnect_timeout_s: float,
@@ -90,3 +93,30 @@ class ClientPeers:
             beats.append((peer, state.beat_seq))
             state.beat_seq += 1
         return beats
+
+
+class CancelReason(enum.Enum):
+    """Why a stream task was cancelled (decides what the client is told: nothing after its
+    own cancel, ``unavailable`` at shutdown, a final ``cancelled`` error when it was cut off)."""
+
+    CLIENT_CANCEL = "client_cancel"
+    SILENT = "client_silent"  # nothing heard from the client for disconnect_timeout_s
+    UNREACHABLE = "client_unreachable"  # a message to it could not be delivered
+    SHUTDOWN = "shutdown"
+
+
+class PeerGone(Exception):
+    """The client stopped accepting messages mid-stream (the gateway ends its stream)."""
+
+
+class Stream:
+    """One open generate stream: its client, request id, task and items sent so far."""
+
+    __slots__ = ("cancel_reason", "msg_id", "peer", "seq", "task")
+
+    def __init__(self, peer: bytes, msg_id: int) -> None:
+        self.peer = peer
+        self.msg_id = msg_id
+        self.seq = 0
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_reason: CancelReason | None = None

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from treeserve.ops.block_types import BLOCK_TYPES, StoredBlocks, UnsupportedBlockType, check_supported
 from treeserve.ops.loaders.registry import ModelLoadError
-from treeserve.ops.model import ModelConfig
+from treeserve.ops.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 PERMUTED_ARCHITECTURES = ("llama",)

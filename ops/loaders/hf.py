@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from treeserve.ops.model import ModelConfig
+from treeserve.ops.model_config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "gemma3")
 GEMMA3 = ("gemma3_text", "gemma3")

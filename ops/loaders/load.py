@@ -37,7 +37,8 @@ from treeserve.ops.loaders.registry import (
     report_progress,
     resolve_cache_dir,
 )
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

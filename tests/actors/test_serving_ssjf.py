@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from treeserve.client import Client, Completion
-from treeserve.training.predictor import FeatureSpec, fit_predictor, load_predictor
+from treeserve.ops.length_predictor import FeatureSpec, fit_predictor, load_predictor
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by conftest.py

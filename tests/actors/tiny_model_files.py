@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=97, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256

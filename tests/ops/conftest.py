@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from treeserve.ops.loaders.gguf import permute_for_llama_rope
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 
 TINY = dict(vocab_size=101, dim=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=96, max_seq_len=256)
 

@@ -94,7 +94,7 @@ def test_llama3_rope_scaling_gives_llama_cpps_logits(tmp_path: Path) -> None:
     if not codes8.available():
         pytest.skip("the gguf format's kernels need AVX2 and a C++ compiler")
     from treeserve.ops.loaders.load import load_model
-    from treeserve.ops.model import rope_tables
+    from treeserve.ops.model_config import rope_tables
 
     info = META["llama3"]
     model = load_model(DATA / info["file"], weight_format="auto", cache_dir=tmp_path, compile_decode=False).model

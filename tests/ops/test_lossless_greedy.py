@@ -10,7 +10,8 @@ import torch
 from treeserve.ops.decode_step import DecodeStep
 from treeserve.ops.drafting import ModelSpeculator, Speculator
 from treeserve.ops.formats import apply_format
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from treeserve.ops.drafting import ModelSpeculator, Speculator, expand_token_tree
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SampleKey, SamplingParams, logits_to_probs, sample_keyed
 from treeserve.ops.speculative import generate_speculative

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from treeserve.ops.kv_cache import CacheCapacityError, KVCache
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.tree_attention import tree_mask_from_parents
 
 TOL = 1e-4

@@ -17,7 +17,8 @@ from treeserve.ops.feature_drafter import (
     save_feature_drafter,
 )
 from treeserve.ops.kernels import q8_amx
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental, generate_speculative

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from tests.ops.conftest import TINY, make_tiny_model
 from treeserve.ops.drafting import ModelSpeculator
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
 from treeserve.ops.speculative import generate_incremental, generate_speculative
 from treeserve.ops.ssm import (

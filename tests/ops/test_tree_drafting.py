@@ -15,7 +15,8 @@ from treeserve.ops.drafting import (
     validate_expansion,
     worst_case_num_nodes,
 )
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 40

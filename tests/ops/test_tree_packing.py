@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.token_tree import TokenTree, pack_trees
 
 

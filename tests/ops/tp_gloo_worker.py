@@ -9,7 +9,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treeserve.ops.model import ModelConfig, Transformer
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.tp import apply_tp, distributed_all_reduce
 from treeserve.ops.tree_attention import tree_mask_from_parents
 

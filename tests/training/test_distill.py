@@ -10,20 +10,10 @@ import torch
 from torch import Tensor
 
 import treeserve.training.distill as distill
+import treeserve.training.teacher as teacher_module
 from tests.ops.conftest import make_tiny_model
-from treeserve.training.distill import (
-    BoostConfig,
-    TeacherSequence,
-    boost_weights,
-    build_training_set,
-    draft_vocabulary,
-    generate_teacher_data,
-    predict_top1,
-    run_distillation,
-    teacher_generate_batch,
-    top1_agreement,
-    train_ssm,
-)
+from treeserve.training.distill import BoostConfig, boost_weights, build_training_set, draft_vocabulary, predict_top1, run_distillation, top1_agreement, train_ssm
+from treeserve.training.teacher import TeacherSequence, generate_teacher_data, teacher_generate_batch
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental, generate_speculative
@@ -64,13 +54,13 @@ def test_teacher_data_resumes_from_its_shards(tmp_path: Path, monkeypatch: pytes
     teacher = tiny_teacher()
     prompts = random_prompts(7)
     calls: list[int] = []
-    real = distill.teacher_generate_batch
+    real = teacher_module.teacher_generate_batch
 
     def counting(*args: object, **kwargs: object) -> list[TeacherSequence]:
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(distill, "teacher_generate_batch", counting)
+    monkeypatch.setattr(teacher_module, "teacher_generate_batch", counting)
 
     def interrupt_after_first(stage: str, done: int, total: int) -> None:
         if done == 1:
@@ -143,7 +133,7 @@ def test_training_raises_agreement_with_the_teacher() -> None:
     assert not any(p.requires_grad for p in ssm.parameters())
 
 
-def _run(teacher: Transformer, tmp_path: Path, work: str, progress: distill.DistillProgress | None = None) -> Path:
+def _run(teacher: Transformer, tmp_path: Path, work: str, progress: teacher_module.DistillProgress | None = None) -> Path:
     out = tmp_path / work / "ssm.safetensors"
     config = BoostConfig(num_ssms=2, ffn_dim=48, draft_vocab_size=40, num_epochs=2, num_boost_epochs=1, lr=1e-2,
                          boost_lr=5e-3, tokens_per_batch=128)
@@ -314,7 +304,7 @@ def test_self_written_prompts_are_distinct_ended_turns_and_skip_the_excluded(tmp
 
     from treeserve import cli
     from treeserve.models import load_model
-    from treeserve.training.distill import self_written_prompts, user_turn_prefix
+    from treeserve.training.teacher import self_written_prompts, user_turn_prefix
 
     folder, _ = _tiny_chat_model_and_prompts(tmp_path, 2)
     loaded = load_model(str(folder))

@@ -13,23 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.ops.model import ModelConfig, Transformer
-from treeserve.training.predictor import (
-    FeatureSpec,
-    LengthExample,
-    OnlineHead,
-    Predictor,
-    PredictorError,
-    bucket_of,
-    evaluate,
-    features,
-    fit_predictor,
-    kendall_tau,
-    load_length_data,
-    load_predictor,
-    token_features,
-    train_predictor,
-)
+from treeserve.ops.model import Transformer
+from treeserve.ops.model_config import ModelConfig
+from treeserve.training.predictor import train_predictor
+from treeserve.ops.length_predictor import FeatureSpec, OnlineHead, Predictor, PredictorError, bucket_of, evaluate, features, fit_predictor, kendall_tau, load_predictor, token_features
+from treeserve.training.length_data import LengthExample, load_length_data
 
 
 def slow_tau_b(x: list[float], y: list[float]) -> float:
@@ -246,7 +234,7 @@ def test_shipped_predictor_loads_with_provenance() -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 7])
 def test_prompt_hidden_equals_the_models_own_forward(num_tokens: int) -> None:
-    from treeserve.training.predictor import prompt_hidden
+    from treeserve.ops.length_predictor import prompt_hidden
 
     model = _tiny_model().truncated(2)
     ids = list(range(3, 3 + num_tokens))

@@ -8,19 +8,9 @@ import numpy as np
 import pytest
 
 from treeserve.ops.length_predictor import pairwise_rank_loss, prompt_key
-from treeserve.training.predictor import (
-    TEST_FRACTION,
-    FeatureSpec,
-    LengthExample,
-    PredictorError,
-    evaluate,
-    fit_rank_predictor,
-    is_test_prompt,
-    load_predictor,
-    lookup_predictor,
-    token_features,
-    train_predictor,
-)
+from treeserve.training.predictor import train_predictor
+from treeserve.ops.length_predictor import FeatureSpec, PredictorError, evaluate, fit_rank_predictor, load_predictor, lookup_predictor, token_features
+from treeserve.training.length_data import TEST_FRACTION, LengthExample, is_test_prompt
 
 
 def _graded_examples(n: int, seed: int, prefix: str = "") -> list[LengthExample]:
