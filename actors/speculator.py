@@ -132,7 +132,7 @@ class SpeculatorConfig:
 @runtime_checkable
 class _FeatureUser(Protocol):
     """A speculator that drafts from the LLM's hidden states (``uses_features = True``, as
-    :class:`~treeserve.ops.feature_drafter.FeatureSpeculator`), which receives them by ``add_features``."""
+    :class:`~treeserve.ops.feature_speculator.FeatureSpeculator`), which receives them by ``add_features``."""
 
     uses_features: bool
 

@@ -21,14 +21,8 @@ from typing import Any
 
 from treeserve.actors.model_host import check_int, load_on_device
 from treeserve.ops.drafting import DEFAULT_EXPANSION, ModelSpeculator, Speculator, validate_expansion
-from treeserve.ops.feature_drafter import (
-    DEFAULT_FEATURE_DRAFTER_FILE,
-    DEFAULT_FEATURE_WIDTHS,
-    FeatureDrafter,
-    FeatureSpeculator,
-    compile_draft_step,
-    load_feature_drafter,
-)
+from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, FeatureDrafter, compile_draft_step, load_feature_drafter
+from treeserve.ops.feature_speculator import DEFAULT_FEATURE_WIDTHS, FeatureSpeculator
 from treeserve.ops.format_names import AUTO_FORMAT, WeightFormat
 from treeserve.ops.loaders.load import load_model
 from treeserve.ops.loaders.registry import DEFAULT_MODEL

@@ -187,7 +187,7 @@ def generate_speculative(
     ``generator`` (default: one seeded from ``params.seed``); a seeded request's output does not
     depend on it, and equals :func:`generate_incremental`'s whenever the logits agree.
     With no speculators every step verifies a root-only tree (incremental decoding).
-    Speculators with ``uses_features = True`` (e.g. :class:`~treeserve.ops.feature_drafter.FeatureSpeculator`)
+    Speculators with ``uses_features = True`` (e.g. :class:`~treeserve.ops.feature_speculator.FeatureSpeculator`)
     also get the LLM's final hidden states of every token it has processed, in order: the
     prompt's (but its last token) after the prefill, then each step's root and accepted drafts.
     """

@@ -282,3 +282,14 @@ def test_no_production_function_is_over_80_lines() -> None:
     assert not found, "functions over 80 lines:\n" + "\n".join(found)
     long = "def f():\n" + "    x = 1\n" * 80
     assert long_functions(long, "m") == ["m:1 f (81 lines)"] and long_functions(long[:-10], "m") == []
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_production_module_is_over_450_lines() -> None:
+    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in package_modules().items()
+             if layer_of(name) != "testing"}
+    assert len(sizes) > 100 and max(sizes.values()) > 300  # the walk found the package
+    found = [f"{name}: {lines} lines" for name, lines in sorted(sizes.items()) if lines > MAX_MODULE_LINES]
+    assert not found, "modules over 450 lines:\n" + "\n".join(found)

@@ -24,21 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from treeserve.ops.length_predictor import (
-    DEFAULT_ALPHAS,
-    HEADS,
-    FeatureSpec,
-    Predictor,
-    PredictorError,
-    evaluate,
-    features,
-    fit_ordinal_predictor,
-    fit_predictor,
-    fit_rank_predictor,
-    load_predictor,
-    pooled_hidden_features,
-    prompt_hidden,
-)
+from treeserve.ops.length_predictor import DEFAULT_ALPHAS, HEADS, FeatureSpec, Predictor, PredictorError, evaluate, features, fit_predictor, load_predictor, pooled_hidden_features, prompt_hidden
+from treeserve.training.length_heads import fit_ordinal_predictor, fit_rank_predictor
 from treeserve.training.length_data import LengthExample, is_test_prompt, load_length_data
 
 if TYPE_CHECKING:

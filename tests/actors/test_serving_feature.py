@@ -17,7 +17,8 @@ import torch
 
 from treeserve.client import Client
 from treeserve.training.feature_distill import TrainConfig, collect_states, train_feature_drafter
-from treeserve.ops.feature_drafter import FeatureSpeculator, init_feature_drafter, load_feature_drafter, save_feature_drafter
+from treeserve.ops.feature_drafter import init_feature_drafter, load_feature_drafter, save_feature_drafter
+from treeserve.ops.feature_speculator import FeatureSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental, generate_speculative
 from treeserve.ops.ssm import ssm_config_for

@@ -17,7 +17,8 @@ from treeserve.actors.speculator_factory import (
     parse_speculator,
 )
 from treeserve.ops.drafting import ModelSpeculator
-from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, DEFAULT_FEATURE_WIDTHS
+from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE
+from treeserve.ops.feature_speculator import DEFAULT_FEATURE_WIDTHS
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
 from treeserve.ops.ngram import NGramSpeculator
 

@@ -323,7 +323,8 @@ def distilled_and_ngram(llm: Transformer) -> list[Speculator]:
 def feature_only(llm: Transformer) -> list[Speculator]:
     """A feature drafter (reduced draft vocabulary, spine of i.i.d. draws over it, fed the
     LLM's states): the benchmark's best mode at temperature 0.8."""
-    from treeserve.ops.feature_drafter import FeatureSpeculator, init_feature_drafter
+    from treeserve.ops.feature_drafter import init_feature_drafter
+    from treeserve.ops.feature_speculator import FeatureSpeculator
     from treeserve.ops.ssm import ssm_config_for
 
     config = ssm_config_for(llm, num_layers=1, ffn_dim=32, draft_vocab_size=5)

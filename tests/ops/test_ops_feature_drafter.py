@@ -10,12 +10,8 @@ import torch
 from torch import Tensor
 
 from tests.ops.conftest import TINY, make_tiny_model
-from treeserve.ops.feature_drafter import (
-    FeatureSpeculator,
-    init_feature_drafter,
-    load_feature_drafter,
-    save_feature_drafter,
-)
+from treeserve.ops.feature_drafter import init_feature_drafter, load_feature_drafter, save_feature_drafter
+from treeserve.ops.feature_speculator import FeatureSpeculator
 from treeserve.ops.kernels import q8_amx
 from treeserve.ops.model import Transformer
 from treeserve.ops.model_config import ModelConfig

@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from treeserve.ops.length_predictor import pairwise_rank_loss, prompt_key
+from treeserve.ops.length_predictor import prompt_key
+from treeserve.training.length_heads import pairwise_rank_loss
 from treeserve.training.predictor import train_predictor
-from treeserve.ops.length_predictor import FeatureSpec, PredictorError, evaluate, fit_rank_predictor, load_predictor, lookup_predictor, token_features
+from treeserve.ops.length_predictor import FeatureSpec, PredictorError, evaluate, load_predictor, lookup_predictor, token_features
+from treeserve.training.length_heads import fit_rank_predictor
 from treeserve.training.length_data import TEST_FRACTION, LengthExample, is_test_prompt
 
 
@@ -93,7 +95,7 @@ def test_test_split_is_a_fixed_fifth_of_each_set_and_never_trained_on() -> None:
 
 
 def test_ordinal_loss_gradients_match_finite_differences() -> None:
-    from treeserve.ops.length_predictor import ordinal_loss
+    from treeserve.training.length_heads import ordinal_loss
 
     rng = np.random.default_rng(5)
     scores, thresholds = rng.normal(size=15), np.array([-1.0, -0.2, 0.5, 1.4])
