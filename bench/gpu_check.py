@@ -465,7 +465,8 @@ def greedy_exactness(model_name: str, args: argparse.Namespace, device: str, ker
     from treeserve.actors.speculator_factory import default_speculators, load_drafter, make_speculators, parse_speculator
     from treeserve.ops.loaders.load import load_model
     from treeserve.ops.sampling import SamplingParams
-    from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
+    from treeserve.ops.speculative import generate_incremental, generate_speculative
+    from treeserve.ops.speculation_modes import SpeculationMode
 
     loaded = load_model(model_name, cache_dir=args.cache_dir)  # float32: the exact reference
     model = loaded.model.to(device)

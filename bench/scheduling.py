@@ -73,7 +73,7 @@ from treeserve.actors.scheduler.policy import (
     SSJFPolicy,
     make_policy,
 )
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 
 SJF_ORACLE = "sjf-oracle"
 SSJF_MAX_TOKENS = "ssjf-max-tokens"
@@ -362,12 +362,12 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
         return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                             dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
                             verifier_threads=args.verifier_threads, scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
-                            online_predictor=False, speculators=() if args.speculate == Speculate.NONE else None)
+                            online_predictor=False, speculators=() if args.speculate == SpeculationMode.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
                         verifier_threads=args.verifier_threads, scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
-                        speculators=() if args.speculate == Speculate.NONE else None)
+                        speculators=() if args.speculate == SpeculationMode.NONE else None)
 
 
 async def replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], policy: str,
@@ -426,7 +426,7 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
                 Client(server.endpoint) as client:
             assert server.scheduler is not None
             await client.generate("Hello", max_tokens=4)
-            for mode in (Speculate.NONE.value, Speculate.TREE.value):
+            for mode in (SpeculationMode.NONE.value, SpeculationMode.TREE.value):
                 points, gains, prefill = [], [], []
                 for rows in sorted({1, 2, max(1, args.num_rows // 2), args.num_rows}):
                     before = await server.scheduler.ask("stats")
@@ -742,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--row-capacity", type=int, default=1024)
     parser.add_argument("--max-wait-s", type=float, default=30.0,
                         help="SSJF/HRRN aging bound: the latest aging deadline after arrival (the server's default)")
-    parser.add_argument("--speculate", default="tree", choices=[m.value for m in Speculate])
+    parser.add_argument("--speculate", default="tree", choices=[m.value for m in SpeculationMode])
     parser.add_argument("--format", default="float32", choices=["q4_1", "int8", "bfloat16", "float32"],
                         help="the served weight format (ServerConfig.dtype; float32 is its default, q4_1 the CLI's "
                              "and about 4x faster here, its compiled step loaded from the cache)")

@@ -55,7 +55,7 @@ from typing import Any
 
 import uvloop
 
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.scheduler.policy import PolicyName
 from treeserve.client import Client
 from treeserve.ops.formats import FORMAT_NAMES
@@ -134,7 +134,7 @@ async def concurrency(endpoint: str, prompts: list[str], speculate: str, num_cli
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args)
-    modes = [Speculate.NONE.value, Speculate.CHAIN.value, Speculate.TREE.value]
+    modes = [SpeculationMode.NONE.value, SpeculationMode.CHAIN.value, SpeculationMode.TREE.value]
     with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as tmp:
         config = ServerConfig(
             model=args.model, dtype=args.dtype, bind=f"ipc://{tmp}/gw.sock", num_rows=16,
@@ -159,7 +159,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "speculators": [dict(s) for s in config.resolved_speculators()], "max_tree_nodes": args.max_tree_nodes,
                 "repetitive": args.repetitive,
             }, "batch1": {}, "concurrency": {}}
-            base = _median([r["tokens_per_s"] for r in batch1[Speculate.NONE.value]])
+            base = _median([r["tokens_per_s"] for r in batch1[SpeculationMode.NONE.value]])
             for mode in modes if not args.skip_batch1 else []:
                 tps = _median([r["tokens_per_s"] for r in batch1[mode]])
                 result["batch1"][mode] = {
@@ -169,16 +169,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio_to_none": tps / base if base else 0.0,
                 }
             for num_clients in args.clients:
-                await _rounds(result, server.endpoint, prompts, {"tree": Speculate.TREE.value}, num_clients,
+                await _rounds(result, server.endpoint, prompts, {"tree": SpeculationMode.TREE.value}, num_clients,
                               args, forget)
         adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
         async with Server(adaptive, progress=_log) as server:
             forget = _forgetter(server, args)
             for num_clients in args.clients:
                 await forget()
-                await concurrency(server.endpoint, prompts, Speculate.TREE.value, num_clients, args.max_tokens)  # learn
+                await concurrency(server.endpoint, prompts, SpeculationMode.TREE.value, num_clients, args.max_tokens)  # learn
                 await _rounds(result, server.endpoint, prompts,
-                              {"none": Speculate.NONE.value, "tree-adaptive": Speculate.TREE.value},
+                              {"none": SpeculationMode.NONE.value, "tree-adaptive": SpeculationMode.TREE.value},
                               num_clients, args, forget)
             assert server.scheduler is not None
             result["adaptive_state"] = (await server.scheduler.ask("stats")).get("adaptive")

@@ -63,7 +63,8 @@ from treeserve.ops.drafting import Speculator
 from treeserve.ops.formats import FORMAT_NAMES
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams
-from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
+from treeserve.ops.speculative import generate_incremental, generate_speculative
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
 
 logger = logging.getLogger("bench.speculative")

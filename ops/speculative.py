@@ -24,6 +24,7 @@ from torch import Tensor
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Transformer
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.sampling import SamplingParams, make_generator, randomness_for, sample_token
 from treeserve.ops.token_tree import TokenTree, merge_trees, pack_trees
 from treeserve.ops.verify import VerifyFn, verify
@@ -34,18 +35,6 @@ class FinishReason(enum.Enum):
 
     STOP = "stop"
     LENGTH = "length"
-
-
-class SpeculationMode(enum.Enum):
-    """How speculators' proposals are verified.
-
-    ``TREE``: trie-merge all speculators' token trees and verify the merged tree (SpecInfer).
-    ``CHAIN``: verify only the chain of first proposals of the merged tree (sequence-based
-    speculative decoding, the baseline SpecInfer compares against).
-    """
-
-    TREE = "tree"
-    CHAIN = "chain"
 
 
 @dataclass(frozen=True)
@@ -192,8 +181,8 @@ def generate_speculative(
     prompt's (but its last token) after the prefill, then each step's root and accepted drafts.
     """
     prompt = _check_prompt(model, prompt_ids, params)
-    if max_tree_nodes < 1:
-        raise ValueError(f"max_tree_nodes must be >= 1, got {max_tree_nodes}")
+    if max_tree_nodes < 1 or mode is SpeculationMode.NONE:  # none drafts nothing: generate_incremental
+        raise ValueError(f"max_tree_nodes must be >= 1 and mode tree or chain, got {max_tree_nodes} and {mode.value}")
     if generator is None and not params.is_greedy:
         generator = make_generator(params)
     capacity = min(model.config.max_seq_len, len(prompt) + params.max_new_tokens + max_tree_nodes)

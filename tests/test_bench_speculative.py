@@ -16,7 +16,8 @@ import torch
 
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
-from treeserve.ops.speculative import SpeculationMode, generate_speculative
+from treeserve.ops.speculative import generate_speculative
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.verify import VerifyResult
 from treeserve.testing.scripts import load_script
 

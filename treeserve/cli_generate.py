@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any
 
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators, parse_speculator
 from treeserve.cli_common import (
     UserError,
@@ -69,7 +69,7 @@ def add_generate_parser(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="end the completion before the first appearance of TEXT (repeatable)")
-    gen.add_argument("--speculate", choices=[m.value for m in Speculate], default=Speculate.TREE.value)
+    gen.add_argument("--speculate", choices=[m.value for m in SpeculationMode], default=SpeculationMode.TREE.value)
     add_format_flag(gen)
     add_expansion_flag(gen)
     gen.add_argument(
@@ -111,7 +111,7 @@ def generate_speculators(args: argparse.Namespace) -> tuple[SpeculatorSpec, ...]
     """The server's default speculators for the model and format (see
     :func:`~treeserve.actors.speculator_factory.default_speculators`), then ``--draft-layers``'
     self-drafter; none for ``--speculate none``."""
-    if args.speculate == Speculate.NONE:
+    if args.speculate == SpeculationMode.NONE:
         return ()
     specs = default_speculators(model_name(args), args.dtype, args.device)
     if args.draft_layers:
@@ -205,7 +205,8 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
     from treeserve.actors.speculator_factory import load_drafter, make_speculators
     from treeserve.actors.messages.tree_wire import params_from_wire
     from treeserve.models import load_model
-    from treeserve.ops.speculative import SpeculationMode, generate_incremental, generate_speculative
+    from treeserve.ops.speculative import generate_incremental, generate_speculative
+    from treeserve.ops.speculation_modes import SpeculationMode
 
     if args.device == "cpu":
         loaded = load_model(model_name(args), weight_format=args.dtype, cache_dir=args.cache_dir, progress=progress,
@@ -238,11 +239,11 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
         raise UserError(str(exc)) from None
     speculators = make_speculators(specs, drafters, model.config.vocab_size)
     started = time.perf_counter()
-    if req.speculate is Speculate.NONE:
+    if req.speculate is SpeculationMode.NONE:
         result = generate_incremental(model, prompt_ids, params)
         accepted_per_step: list[int] = [0] * result.num_steps  # one token per step, no drafts
     else:
-        result = generate_speculative(model, speculators, prompt_ids, params, SpeculationMode(req.speculate.value))
+        result = generate_speculative(model, speculators, prompt_ids, params, req.speculate)
         accepted_per_step = list(result.accepted_per_step)
     elapsed = time.perf_counter() - started
     return {

@@ -12,13 +12,15 @@ points of content (role names do not count); error texts name wire types (``got 
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from treeserve.ops.speculation_modes import SpeculationMode
+from treeserve.runtime import ActorError
+from treeserve.transport.wire import ErrorCode
 from treeserve.transport.wire_types import wire_repr, wire_type
 
 __all__ = [
@@ -31,7 +33,7 @@ __all__ = [
     "ChatMessage",
     "GenerateRequest",
     "InvalidRequest",
-    "Speculate",
+    "SpeculationMode",
     "parse_generate",
     "sampling_temperature",
 ]
@@ -81,24 +83,18 @@ GENERATE_FIELDS: frozenset[str] = frozenset(
 """Every field a ``generate`` body may carry; any other key is refused."""
 
 
-class InvalidRequest(ValueError):
-    """A client request was rejected; the message says which field and why, and is sent
-    back verbatim as an ``invalid_request`` error. ``param``: the field at fault, given, or
-    else the one the message starts with (``'max_tokens' must be ...``); None for the body
-    as a whole."""
+class InvalidRequest(ActorError, ValueError):
+    """A client request was rejected, by the gateway's parsing or the scheduler's own checks;
+    the message says which field and why, and is sent back verbatim as an ``invalid_request``
+    error. ``param``: the field at fault, given, or else the one the message starts with
+    (``'max_tokens' must be ...``); None for the body as a whole."""
+
+    default_code = ErrorCode.INVALID_REQUEST
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         named = re.match(r"'([a-z_]+)'", message)
         self.param = param if param is not None else named.group(1) if named else None
-
-
-class Speculate(enum.StrEnum):
-    """How the scheduler drafts: a token tree (SpecInfer), a single chain, or no drafts."""
-
-    TREE = "tree"
-    CHAIN = "chain"
-    NONE = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +125,7 @@ class GenerateRequest:
     top_k: int | None
     seed: int | None
     stop_token_ids: tuple[int, ...]
-    speculate: Speculate
+    speculate: SpeculationMode
     stop: tuple[str, ...] = ()
     parse_special_tokens: bool = False
     length_hint: int | None = None
@@ -318,10 +314,10 @@ def parse_generate(
         raise InvalidRequest(f"'seed' must be nil or an int in [0, 2^63), got {_shown(seed, int)}")
     stop_token_ids = _token_ids(_field(body, "stop_token_ids", []), "stop_token_ids", vocab_size, 64)
     stop = _stop_strings(_field(body, "stop", []))
-    speculate_value = _field(body, "speculate", Speculate.TREE.value)
-    if not isinstance(speculate_value, str) or speculate_value not in {s.value for s in Speculate}:
+    speculate_value = _field(body, "speculate", SpeculationMode.TREE.value)
+    if not isinstance(speculate_value, str) or speculate_value not in {s.value for s in SpeculationMode}:
         raise InvalidRequest(
-            f"'speculate' must be one of {[s.value for s in Speculate]}, got {_shown(speculate_value, str)}"
+            f"'speculate' must be one of {[s.value for s in SpeculationMode]}, got {_shown(speculate_value, str)}"
         )
     parse_special_tokens = _field(body, "parse_special_tokens", False)
     if type(parse_special_tokens) is not bool:
@@ -339,7 +335,7 @@ def parse_generate(
         top_k=top_k,
         seed=seed,
         stop_token_ids=stop_token_ids,
-        speculate=Speculate(speculate_value),
+        speculate=SpeculationMode(speculate_value),
         stop=stop,
         parse_special_tokens=parse_special_tokens,
         length_hint=length_hint,

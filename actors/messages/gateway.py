@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from treeserve.actors.gateway.request import Speculate, sampling_temperature
+from treeserve.actors.gateway.request import sampling_temperature
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.messages.checks import check_request_id
 from treeserve.actors.messages.tree_wire import params_from_wire, params_to_wire
 from treeserve.ops.sampling import SamplingParams
@@ -27,7 +28,7 @@ class GenerateBody:
     request_id: str | None
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    speculate: Speculate = Speculate.TREE
+    speculate: SpeculationMode = SpeculationMode.TREE
     length_hint: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
@@ -53,13 +54,13 @@ class GenerateBody:
             raise ValueError(f"prompt_ids contains a token id outside [0, {vocab_size})")
         params = params_from_wire(body.get("params") or {})
         params = replace(params, temperature=sampling_temperature(params.temperature))
-        speculate = body.get("speculate", Speculate.TREE.value)
-        if speculate not in tuple(Speculate):
-            raise ValueError(f"speculate must be one of {tuple(m.value for m in Speculate)}, got {speculate!r}")
+        speculate = body.get("speculate", SpeculationMode.TREE.value)
+        if speculate not in tuple(SpeculationMode):
+            raise ValueError(f"speculate must be one of {tuple(m.value for m in SpeculationMode)}, got {speculate!r}")
         length_hint = check_length_hint(body.get("length_hint"))
         request_id = body.get("request_id")
         return cls(request_id if isinstance(request_id, str) and request_id else None, tuple(prompt), params,
-                   Speculate(speculate), length_hint)
+                   SpeculationMode(speculate), length_hint)
 
 
 def check_length_hint(value: Any) -> int | None:

@@ -38,19 +38,8 @@ from treeserve.actors.messages.speculator import RequestRelease, StartBody
 from treeserve.actors.messages.verifier import PrefillRow, StepRow
 from treeserve.actors.scheduler.core import RequestState, SchedulerCore, prefill_chunks
 from treeserve.actors.scheduler.observer import SchedulerObserver, StepSample
-from treeserve.actors.scheduler.types import (
-    Admission,
-    Event,
-    InvalidRequest,
-    Release,
-    RequestFinished,
-    SchedulerConfig,
-    SchedulerFault,
-    ServiceUnavailable,
-    StepPlan,
-    StepReplies,
-    TokensOut,
-)
+from treeserve.actors.scheduler.types import Admission, Event, Release, RequestFinished, SchedulerConfig, SchedulerFault, ServiceUnavailable, StepPlan, StepReplies, TokensOut
+from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.actors.verifier_group import VerifierGroup
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import Actor, ActorError, ActorRef, handler, stream_handler
@@ -384,4 +373,4 @@ def _step_samples(plan: StepPlan, replies: StepReplies, emitted: int) -> list[St
                        emitted if index == 0 else 0) for index in range(forwards)]
 
 
-__all__ = ["InvalidRequest", "SchedulerActor", "SchedulerConfig", "SchedulerFault", "ServiceUnavailable"]
+__all__ = ["SchedulerActor", "SchedulerConfig", "SchedulerFault", "ServiceUnavailable"]

@@ -38,27 +38,9 @@ from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
 from treeserve.actors.messages.gateway import check_length_hint
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
-from treeserve.actors.scheduler.types import (
-    SPECULATE_MODES,
-    Admission,
-    Event,
-    InvalidRequest,
-    LengthReport,
-    ProposalAsk,
-    Release,
-    RequestFailed,
-    RequestFinished,
-    RequestState,
-    RowPlan,
-    SchedulerConfig,
-    SchedulerFault,
-    SchedulerStats,
-    ServiceUnavailable,
-    StepEvents,
-    StepPlan,
-    StepReplies,
-    TokensOut,
-)
+from treeserve.ops.speculation_modes import SpeculationMode
+from treeserve.actors.scheduler.types import Admission, Event, LengthReport, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
+from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import FinishReason, emit_until_done
 from treeserve.ops.token_tree import TokenTree
@@ -66,6 +48,9 @@ from treeserve.runtime import ActorError
 from treeserve.transport.wire import ErrorCode
 
 log = logging.getLogger(__name__)
+
+_MODES = tuple(mode.value for mode in SpeculationMode)
+"""The ``speculate`` values a request may carry."""
 
 
 class _HasPrompt(Protocol):
@@ -125,8 +110,8 @@ class SchedulerCore:
                now: float, length_hint: int | None = None) -> RequestState:
         """Register a request arriving at ``now`` (its aging starts there); :meth:`enqueue`
         queues it. ``length_hint``: the client's expected output tokens, if it sent one."""
-        if speculate not in SPECULATE_MODES:
-            raise InvalidRequest(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
+        if speculate not in _MODES:
+            raise InvalidRequest(f"speculate must be one of {list(_MODES)}, got {speculate!r}")
         try:
             check_length_hint(length_hint)
         except ValueError as exc:

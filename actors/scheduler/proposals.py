@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.messages.speculator import ProposalRequest, ProposeBody, ProposeReply
 from treeserve.actors.scheduler.types import ProposalAsk, RequestState, RowPlan
 from treeserve.ops.drafting import split_node_budget
@@ -88,7 +88,7 @@ def verified_tree(root: int, proposed: Sequence[TokenTree], row: RowPlan, max_tr
     depth cut does not depend on the draws)."""
     candidates = [t for t in proposed if t.root_token == root]
     tree = merge_trees(candidates) if candidates else TokenTree.from_parents([-1], [root])
-    if row.mode == Speculate.CHAIN:
+    if row.mode == SpeculationMode.CHAIN:
         tree = tree.first_chain()
     keep = tree.depths() <= row.max_depth
     if not bool(keep.all()):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.messages.length import LengthReport
 from treeserve.actors.messages.speculator import ProposeBody
 from treeserve.actors.messages.verifier import MAX_DECODE_STEPS, RowVerdict
@@ -26,15 +26,6 @@ from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorError
 from treeserve.transport.wire import ErrorCode
-
-SPECULATE_MODES: tuple[str, ...] = tuple(mode.value for mode in Speculate)
-"""The ``speculate`` values of a generate request (:class:`~treeserve.actors.gateway.request.Speculate`)."""
-
-
-class InvalidRequest(ActorError):
-    """A generate request the scheduler refuses (bad field, never fits the KV cache)."""
-
-    default_code = ErrorCode.INVALID_REQUEST
 
 
 class ServiceUnavailable(ActorError):
@@ -141,7 +132,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    speculate: str  # one of SPECULATE_MODES
+    speculate: str  # a SpeculationMode value
     arrival_s: float
     row: int | None = None
     emitted: list[int] = field(default_factory=list)
@@ -164,7 +155,7 @@ class RequestState:
 
     @property
     def speculates(self) -> bool:
-        return self.speculate != Speculate.NONE
+        return self.speculate != SpeculationMode.NONE
 
     @property
     def expected_len(self) -> float | None:
@@ -212,13 +203,13 @@ class RowPlan:
     request_id: str
     row: int
     params: SamplingParams
-    mode: str  # one of SPECULATE_MODES
+    mode: str  # a SpeculationMode value
     max_nodes: int
     max_depth: int
 
     @property
     def is_speculating(self) -> bool:
-        return self.mode != Speculate.NONE and self.max_depth >= 1
+        return self.mode != SpeculationMode.NONE and self.max_depth >= 1
 
 
 @dataclass(frozen=True)
@@ -332,7 +323,7 @@ class SchedulerStats:
 
 
 __all__ = [
-    "SPECULATE_MODES", "Admission", "Event", "InvalidRequest", "LengthReport", "ProposalAsk",
+    "Admission", "Event", "LengthReport", "ProposalAsk",
     "Release", "RequestFailed", "RequestFinished", "RequestState", "RowPlan", "SchedulerConfig", "SchedulerFault",
     "SchedulerStats", "ServiceUnavailable", "StepEvents", "StepPlan", "StepReplies", "TokensOut",
 ]

@@ -15,12 +15,8 @@ from treeserve.ops.model_config import ModelConfig
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
-from treeserve.ops.speculative import (
-    FinishReason,
-    SpeculationMode,
-    generate_incremental,
-    generate_speculative,
-)
+from treeserve.ops.speculative import FinishReason, generate_incremental, generate_speculative
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.token_tree import TokenTree
 from treeserve.ops.verify import VerifyResult
 

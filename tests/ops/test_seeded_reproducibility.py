@@ -27,7 +27,8 @@ from treeserve.ops.drafting import ModelSpeculator, Speculator
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.sampling import Randomness, SamplingParams, make_generator
-from treeserve.ops.speculative import SpeculationMode, emit_until_done, generate_incremental, generate_speculative
+from treeserve.ops.speculative import emit_until_done, generate_incremental, generate_speculative
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.token_tree import TokenTree, merge_trees
 from treeserve.ops.verify import VerifyFn, VerifyResult, verify, verify_stochastic
 
@@ -124,7 +125,7 @@ def seeded_runs(model: Transformer, params: SamplingParams,
     verifies with a fresh ``make_verifier()``."""
     runs: dict[str, tuple[list[int], int]] = {}
     for name, make in speculator_sets(model).items():
-        for mode in SpeculationMode:
+        for mode in (SpeculationMode.TREE, SpeculationMode.CHAIN):  # NONE drafts nothing
             for draft_seed in (0, 1):  # the drafting stream: what the trees hold
                 result = generate_speculative(model, make(), PROMPT, params, mode,
                                               generator=torch.Generator().manual_seed(draft_seed), verifier=make_verifier())

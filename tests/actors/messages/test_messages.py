@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.actors.gateway.request import Speculate
+from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.messages.checks import MalformedReply
 from treeserve.actors.messages.gateway import FinishBody, GenerateBody
 from treeserve.actors.messages.length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
@@ -144,7 +144,7 @@ def test_verifier_replies_round_trip_with_states_and_a_failed_row() -> None:
 
 
 def test_the_small_bodies_round_trip() -> None:
-    generate = GenerateBody("g", (5, 6), SAMPLED, Speculate.CHAIN)
+    generate = GenerateBody("g", (5, 6), SAMPLED, SpeculationMode.CHAIN)
     assert GenerateBody.from_wire(through_codec(generate.to_wire()), VOCAB) == generate
     assert GenerateBody.from_wire({"prompt_ids": [1]}, VOCAB) == GenerateBody(None, (1,), SamplingParams())
     tiny_t = GenerateBody.from_wire({"prompt_ids": [1], "params": {"temperature": 1e-300}}, VOCAB)
@@ -170,7 +170,7 @@ def test_the_small_bodies_round_trip() -> None:
 
 
 def test_the_generate_body_carries_an_optional_length_hint() -> None:
-    hinted = GenerateBody("g", (5, 6), SAMPLED, Speculate.NONE, length_hint=40)
+    hinted = GenerateBody("g", (5, 6), SAMPLED, SpeculationMode.NONE, length_hint=40)
     assert hinted.to_wire()["length_hint"] == 40
     assert GenerateBody.from_wire(through_codec(hinted.to_wire()), VOCAB) == hinted
     assert "length_hint" not in GenerateBody("g", (5,), SAMPLED).to_wire()  # what an old gateway sends

@@ -14,21 +14,8 @@ import numpy as np
 import pytest
 
 from treeserve.actors.scheduler.core import SchedulerCore
-from treeserve.actors.scheduler.types import (
-    InvalidRequest,
-    LengthReport,
-    Release,
-    RequestFailed,
-    RequestFinished,
-    RequestState,
-    SchedulerConfig,
-    SchedulerFault,
-    ServiceUnavailable,
-    StepEvents,
-    StepPlan,
-    StepReplies,
-    TokensOut,
-)
+from treeserve.actors.scheduler.types import LengthReport, Release, RequestFailed, RequestFinished, RequestState, SchedulerConfig, SchedulerFault, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
+from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.actors.messages.checks import MalformedReply
 from treeserve.actors.messages.verifier import RowVerdict
 from treeserve.actors.messages.tree_wire import tree_to_wire
