@@ -293,7 +293,7 @@ def kernel_paths() -> dict[str, str]:
     """The instruction-set path each CPU kernel takes in this process (``TREESERVE_ISA`` applied)."""
     from treeserve.ops.kernels import codes8, cpp_build, decode_layers, dense_cpu, q4_amx, q8_amx, tree_attention_cpu
 
-    wide = "AVX-512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags() else "AVX2"
+    wide = "AVX-512" if cpp_build.simd16_flags() == cpp_build.AVX512 else "AVX2"
     q4 = ("int8 rows, AVX2 (q_avx2.cpp)" if q4_amx.avx2() else "int8 rows, AVX512-VNNI (q4_amx.cpp)"
           if q4_amx.int8_rows() else "bf16, AVX-512 and AMX tiles (q4_amx.cpp)" if q4_amx.tiles()
           else "bf16, AVX-512 (q4_amx.cpp)" if q4_amx.available() else "torch's int4 kernel")

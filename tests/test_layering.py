@@ -72,6 +72,14 @@ def package_modules() -> dict[str, Path]:
     return modules
 
 
+def from_base(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
 def imported_modules(source: str, module: str, *, is_package: bool) -> Iterator[tuple[int, str]]:
     """``(line, module name)`` of every import in ``source``, at any depth of the tree.
 
@@ -84,12 +92,7 @@ def imported_modules(source: str, module: str, *, is_package: bool) -> Iterator[
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
+            base = from_base(node, package)
             if base == "treeserve":
                 for alias in node.names:
                     yield node.lineno, f"treeserve.{alias.name}"
@@ -187,11 +190,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 edges |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
-                else:
-                    base = node.module or ""
+                base = from_base(node, package)
                 edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
         graph[name] = {e for e in edges if e in modules and e != name}
     return graph
