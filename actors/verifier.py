@@ -83,6 +83,7 @@ from treeserve.ops.batch_step import (
 from treeserve.ops.formats import AUTO_FORMAT, resolve_format
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.loaders.load import load_model, prepare_for_serving, stored_types_of
+from treeserve.ops.loaders.prepare import import_compiler, loads_a_compiled_step
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SamplingParams, make_generator
 from treeserve.ops.token_tree import TokenTree
@@ -146,6 +147,10 @@ class VerifierShard(Actor):
             "weight_format": resolve_format(self._weight_format(), loaded.config, torch.device(cfg.device),
                                             stored_types_of(loaded.source, cfg.cache_dir)).value,
         }
+        if cfg.compile_decode and loads_a_compiled_step(self._info["weight_format"], cfg.device):
+            # Before this shard reports ready: in a thread beside the serving loop, these imports
+            # would stop it (and its heartbeats) for most of a second (ops/loaders/prepare.py).
+            await asyncio.to_thread(import_compiler)
         self._setup = asyncio.ensure_future(self._offload.run(self._shard_and_allocate, loaded.model, loaded.source, capacity))
         self._setup.add_done_callback(consume_exception)
 
@@ -213,6 +218,14 @@ class VerifierShard(Actor):
         """Model and cache facts the scheduler needs (waits for the TP rendezvous)."""
         await self._ready()
         return dict(self._info)
+
+    @handler
+    async def decode_step(self) -> dict[str, bool]:
+        """Whether the model's decode step is fused (one C++ op) or compiled yet (a background
+        compile may still run); waits for the setup like ``info``."""
+        model, _ = await self._ready()
+        step = getattr(model, "decode_step", None)
+        return {"fused": bool(getattr(step, "is_fused", False)), "compiled": bool(getattr(step, "is_compiled", False))}
 
     @handler
     async def prefill(self, body: Any) -> dict[str, Any] | None:

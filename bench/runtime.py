@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,13 @@ import zmq
 import zmq.asyncio
 
 from treeserve.runtime import ActorRef, ChildTransport, Runtime, RuntimeConfig
-from treeserve.testing.runtime_actors import EchoActor
+
+# The echo actor is a test helper, not installed: import it from tests/, here and in the child
+# processes this bench starts (they re-create it from its module:Class path).
+TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+sys.path.insert(0, TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+from treeserve_testing.runtime_actors import EchoActor  # noqa: E402
 
 SMALL_BODY = {"tokens": [1, 2, 3, 4], "note": "x" * 16}
 TENSOR_BYTES = 16 * 1024 * 1024

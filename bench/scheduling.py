@@ -356,16 +356,17 @@ ORACLE_MAX_WAIT_S = 1e9
 
 
 def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Path | None = None) -> Any:
+    from treeserve.actors.scheduler.types import SchedulerSettings
     from treeserve.server import ServerConfig
 
     if oracle is not None:  # the SJF oracle: ssjf over a lookup table of true lengths, no aging
         return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                             dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
-                            verifier_threads=args.verifier_threads, scheduler=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S, predictor=str(oracle),
+                            verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S), predictor=str(oracle),
                             online_predictor=False, speculators=() if args.speculate == SpeculationMode.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
-                        verifier_threads=args.verifier_threads, scheduler=policy, max_wait_s=args.max_wait_s, predictor=args.predictor,
+                        verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=policy, max_wait_s=args.max_wait_s), predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == SpeculationMode.NONE else None)
 

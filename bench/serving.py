@@ -50,11 +50,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.scheduler.policy import PolicyName
 from treeserve.client import Client
@@ -138,7 +140,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as tmp:
         config = ServerConfig(
             model=args.model, dtype=args.dtype, bind=f"ipc://{tmp}/gw.sock", num_rows=16,
-            row_capacity=args.row_capacity, scheduler=PolicyName.FCFS.value, adaptive_speculation=False,
+            row_capacity=args.row_capacity, scheduling=SchedulerSettings(policy=PolicyName.FCFS.value, adaptive_speculation=False),
             max_tree_nodes=args.max_tree_nodes,
         )
         async with Server(config, progress=_log) as server, Client(server.endpoint) as client:
@@ -171,7 +173,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for num_clients in args.clients:
                 await _rounds(result, server.endpoint, prompts, {"tree": SpeculationMode.TREE.value}, num_clients,
                               args, forget)
-        adaptive = ServerConfig(**{**config.__dict__, "adaptive_speculation": True})
+        adaptive = replace(config, scheduling=replace(config.scheduling, adaptive_speculation=True))
         async with Server(adaptive, progress=_log) as server:
             forget = _forgetter(server, args)
             for num_clients in args.clients:

@@ -170,6 +170,7 @@ class CompiledStep:
         self._compiled: Callable[..., Tensor] | None = None
         self._lock = threading.Lock()
         self._background: str | None = None  # prepare_in_background: "waiting", then "started"
+        self._build: Callable[[], None] | None = None  # prepare_in_background's out-of-process build
         tree_attention_cpu.available()  # loaded before tracing: the step reads it as a constant
 
     @property
@@ -177,12 +178,17 @@ class CompiledStep:
         """True once the compiled function is in use."""
         return self._compiled is not None
 
-    def prepare_in_background(self, *, idle_s: float = 10.0) -> None:
+    def prepare_in_background(self, *, idle_s: float = 10.0, build: Callable[[], None] | None = None) -> None:
         """:meth:`prepare` on a daemon thread, so that a server answers while its step
         compiles (minutes; :func:`~treeserve.ops.loaders.load.prepare_for_serving` loads a
         saved step in the foreground instead): until the compiled function is in place, calls
         run the eager function (the same weights and kernels, one by one). A failure is
         logged and the step stays eager.
+
+        ``build``: writes the artifact in another process (:mod:`~treeserve.ops.loaders.prepare`);
+        the thread only waits for it and then loads the file. Without it the thread traces and
+        compiles here, which holds this interpreter's lock for up to a second at a time and
+        starves an event loop beside it (a child's heartbeats).
 
         The thread starts once the first call has returned (a server's first prefill), or
         after ``idle_s`` without a call: tracing and loading import dynamo and inductor and
@@ -190,6 +196,7 @@ class CompiledStep:
         run beside them took 2.6 s instead of 0.1 s.
         """
         self._background = "waiting"
+        self._build = build
         timer = threading.Timer(idle_s, self._start_background)
         timer.daemon = True
         timer.start()
@@ -202,18 +209,20 @@ class CompiledStep:
 
         def run() -> None:
             try:
+                if self._build is not None and self.artifact is not None and not self.artifact.exists():
+                    self._build()
                 self.prepare()
             except Exception:  # no C++ compiler, an inductor failure: serving goes on eagerly
                 logger.warning("preparing the compiled %s failed; it stays eager", self.what, exc_info=True)
 
         threading.Thread(target=run, name=f"{self.what.replace(' ', '-')}-prepare", daemon=True).start()
 
-    def attach(self, *, background: bool = False) -> bool:
+    def attach(self, *, background: bool = False, build: Callable[[], None] | None = None) -> bool:
         """:meth:`prepare` now, or, with ``background`` and nothing saved to load yet,
-        :meth:`prepare_in_background`. False when preparing failed (a missing C++ compiler, an
-        inductor failure): it is logged, and the caller keeps its eager path."""
+        :meth:`prepare_in_background` (with ``build``, if given). False when preparing failed (a
+        missing C++ compiler, an inductor failure): it is logged, and the caller keeps its eager path."""
         if background and self.artifact is not None and not self.artifact.exists():
-            self.prepare_in_background()
+            self.prepare_in_background(build=build)
             return True
         try:
             self.prepare()

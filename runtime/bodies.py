@@ -16,9 +16,14 @@ _LEAVES: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
 
 def body_to_wire(body: Any) -> Any:
     """Replace every ``ActorRef`` in ``body`` (at any depth in lists, tuples and dict
-    values) by its ``ActorAddress``. Containers without refs are returned as they are."""
+    values) by its ``ActorAddress``. Containers without refs are returned as they are. A
+    typed body (one with a ``to_wire()`` method, which a call inside one process passes as the
+    object) becomes its wire form here, when it leaves the process."""
     if type(body) in _LEAVES:
         return body
+    to_wire = getattr(type(body), "to_wire", None)
+    if to_wire is not None:
+        body = to_wire(body)
     return _to_wire(body)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 FETCH_PY = Path(__file__).resolve().parents[1] / "bench" / "data" / "fetch.py"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 GPU_CHECK_PY = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 

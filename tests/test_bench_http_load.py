@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 HTTP_LOAD_PY = Path(__file__).resolve().parents[1] / "bench" / "http_load.py"
 FIRST_S, GAP_S, TOKENS = 0.05, 0.01, 6

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.ops.conftest import make_tiny_model
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 PREFILL_PY = Path(__file__).resolve().parents[1] / "bench" / "prefill.py"
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 SCHEDULING_PY = Path(__file__).resolve().parents[1] / "bench" / "scheduling.py"
 TRACE = SCHEDULING_PY.parent / "data" / "trace_small.jsonl"

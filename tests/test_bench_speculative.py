@@ -19,7 +19,7 @@ from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_speculative
 from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.verify import VerifyResult
-from treeserve.testing.scripts import load_script
+from treeserve_testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2

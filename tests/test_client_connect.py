@@ -14,7 +14,7 @@ import pytest
 
 from treeserve.actors.gateway.actor import GatewayConfig
 from treeserve.client import Client, ConnectTimeoutError, UnavailableError
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,7 @@
 """Layers import downward only: transport <- runtime <- actors <- the ``treeserve`` façade, and
 ``ops`` imports none of them; training (``treeserve.training``) sits beside the façade, and no
-serving layer imports it; no production module imports the test helpers (``treeserve.testing``).
+serving layer imports it; no production module imports the test helpers (``treeserve_testing``,
+under ``tests/``, which the installed package does not hold).
 And no production modules import each other in a cycle.
 
 Every production module's imports are read with ``ast``, those inside functions, methods and
@@ -18,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # What each layer may import (besides itself and third-party code). The façade sits on top;
-# the test helpers may use everything but are used by no layer.
+# the test helpers ("testing") are used by no layer.
 ALLOWED: dict[str, frozenset[str]] = {
     "transport": frozenset({"transport"}),
     "runtime": frozenset({"transport", "runtime"}),
@@ -26,20 +27,21 @@ ALLOWED: dict[str, frozenset[str]] = {
     "actors": frozenset({"transport", "runtime", "ops", "actors"}),
     "façade": frozenset({"transport", "runtime", "ops", "actors", "façade", "training"}),
     "training": frozenset({"ops", "façade", "training"}),
-    "testing": frozenset({"transport", "runtime", "ops", "actors", "façade", "training", "testing"}),
 }
 _LAYER_PACKAGES = {
     "treeserve.transport": "transport",
     "treeserve.runtime": "runtime",
     "treeserve.ops": "ops",
     "treeserve.actors": "actors",
-    "treeserve.testing": "testing",
     "treeserve.training": "training",
 }
 
 
 def layer_of(module: str) -> str | None:
-    """The layer of a ``treeserve.*`` module name; None for a module outside treeserve."""
+    """The layer of a ``treeserve.*`` module name (``testing`` for the test helpers); None for a
+    module outside treeserve."""
+    if module == "treeserve_testing" or module.startswith("treeserve_testing."):
+        return "testing"
     if module != "treeserve" and not module.startswith("treeserve."):
         return None
     for package, layer in _LAYER_PACKAGES.items():
@@ -112,13 +114,19 @@ def upward_imports(source: str, module: str, *, is_package: bool = False) -> lis
     return found
 
 
+def test_the_installed_package_holds_no_test_code() -> None:
+    tests = REPO / "tests"
+    assert all(not folder.resolve().is_relative_to(tests) and "testing" not in name
+               for name, folder in package_folders().items()), package_folders()
+
+
 def test_no_production_module_imports_upward() -> None:
     modules = package_modules()
     layers = {layer_of(name) for name in modules}
     # Every layer has files here: a mapping the walk misread would check nothing.
     assert layers == set(ALLOWED), layers
     known = {"treeserve.transport.codec", "treeserve.runtime.node", "treeserve.ops.loaders.gguf",
-             "treeserve.actors.verifier", "treeserve.cli", "treeserve.testing.gateway_fakes"}
+             "treeserve.actors.verifier", "treeserve.cli"}
     assert known <= modules.keys(), known - modules.keys()
     found = []
     for name, path in modules.items():
@@ -161,8 +169,8 @@ def test_the_check_sees_imports_at_any_depth() -> None:
     assert upward_imports("if X:\n    from treeserve.runtime import Actor\n", "treeserve.ops.model") == [
         "treeserve.ops.model:2 (ops) imports treeserve.runtime (runtime)",
     ]
-    assert upward_imports("from treeserve.testing.runtime_actors import EchoActor\n", "treeserve.server") == [
-        "treeserve.server:1 (façade) imports treeserve.testing.runtime_actors (testing)",
+    assert upward_imports("from treeserve_testing.runtime_actors import EchoActor\n", "treeserve.server") == [
+        "treeserve.server:1 (façade) imports treeserve_testing.runtime_actors (testing)",
     ]
     # Relative imports resolve against the module's package.
     assert upward_imports("from ..actors import gateway\n", "treeserve.runtime.node") == [
@@ -276,7 +284,7 @@ def long_functions(source: str, module: str) -> list[str]:
 
 
 def test_no_production_function_is_over_80_lines() -> None:
-    found = [hit for name, path in package_modules().items() if layer_of(name) != "testing"
+    found = [hit for name, path in package_modules().items()
              for hit in long_functions(path.read_text(encoding="utf-8"), name)]
     assert not found, "functions over 80 lines:\n" + "\n".join(found)
     long = "def f():\n" + "    x = 1\n" * 80
@@ -284,11 +292,24 @@ def test_no_production_function_is_over_80_lines() -> None:
 
 
 MAX_MODULE_LINES = 450
+NATIVE_SUFFIXES = (".cpp", ".h", ".cu")
+
+
+def native_sources() -> dict[str, Path]:
+    """``package/file`` -> file of every C++ or CUDA source and header the package ships (its
+    package data: the kernels' translation units and their headers)."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    folders = package_folders()
+    return {f"{package}/{path.name}": path
+            for package, patterns in config["tool"]["setuptools"]["package-data"].items()
+            for pattern in patterns if pattern.endswith(NATIVE_SUFFIXES)
+            for path in sorted(folders[package].glob(pattern))}
 
 
 def test_no_production_module_is_over_450_lines() -> None:
-    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in package_modules().items()
-             if layer_of(name) != "testing"}
+    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in package_modules().items()}
     assert len(sizes) > 100 and max(sizes.values()) > 300  # the walk found the package
-    found = [f"{name}: {lines} lines" for name, lines in sorted(sizes.items()) if lines > MAX_MODULE_LINES]
-    assert not found, "modules over 450 lines:\n" + "\n".join(found)
+    native = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in native_sources().items()}
+    assert {Path(name).suffix for name in native} == set(NATIVE_SUFFIXES)  # and the kernels' sources
+    found = [f"{name}: {lines} lines" for name, lines in sorted((sizes | native).items()) if lines > MAX_MODULE_LINES]
+    assert not found, "modules and kernel sources over 450 lines:\n" + "\n".join(found)

@@ -5,35 +5,54 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from treeserve.actors.scheduler.types import SchedulerConfig
+import pytest
+
+from treeserve.actors.scheduler.types import SchedulerConfig, SchedulerSettings
 from treeserve.actors.verifier_config import VerifierConfig
 from treeserve.runtime import RestartStrategy
 from treeserve import server_wiring as wiring
+from treeserve.cli import build_parser
+from treeserve.cli_common import UserError
+from treeserve.cli_serve import scheduler_settings
 from treeserve.server_config import ServerConfig
 
-CONFIG = ServerConfig(num_rows=3, row_capacity=777, max_wait_s=4.5, max_tree_nodes=9, step_timeout_s=12.0,
-                      adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5, scheduler="ssjf",
+SETTINGS = SchedulerSettings(policy="ssjf", max_wait_s=4.5, max_queue=77, predict_timeout_s=3.0, max_predict_batch=5,
+                             adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5, decode_ahead_s=0.2)
+CONFIG = ServerConfig(num_rows=3, row_capacity=777, max_tree_nodes=9, step_timeout_s=12.0, scheduling=SETTINGS,
                       tp=2, dtype="bfloat16", cache_dir="/c", compile_decode=False, compile_in_background=True,
                       max_restarts=7, restart_window_s=9.0, heartbeat_interval_s=0.25)
 
 
-def test_every_scheduler_setting_the_server_carries_reaches_the_scheduler() -> None:
+def test_every_scheduler_setting_and_shared_shape_reaches_the_scheduler() -> None:
     config = wiring.scheduler_config(CONFIG, vocab_size=101, use_states=True)
-    shared = set(wiring.shared_fields(CONFIG, SchedulerConfig, {"policy": "scheduler"}))
-    # By name: a setting added to both classes needs no wiring (and these must not drift apart).
-    assert shared >= {"num_rows", "row_capacity", "max_wait_s", "max_tree_nodes", "step_timeout_s",
-                      "adaptive_speculation", "max_prefill_tokens", "max_decode_steps", "policy"}
-    for name in shared - {"policy"}:
-        assert getattr(config, name) == getattr(CONFIG, name), name
-    assert config.policy == "ssjf" and config.vocab_size == 101 and config.use_states
-    untouched = {f.name for f in fields(SchedulerConfig)} - shared - {"vocab_size", "use_states"}
-    assert all(getattr(config, name) == getattr(SchedulerConfig, name) for name in untouched)
+    # The settings travel whole: a new one needs no wiring.
+    for f in fields(SchedulerSettings):
+        assert getattr(config, f.name) == getattr(SETTINGS, f.name) != getattr(SchedulerSettings(), f.name), f.name
+    # The shapes shared with the verifier and gateway, by name.
+    assert (config.num_rows, config.row_capacity, config.max_tree_nodes, config.step_timeout_s) == (3, 777, 9, 12.0)
+    assert config.vocab_size == 101 and config.use_states
 
 
 def test_a_setting_both_configs_name_alike_needs_no_wiring() -> None:
     # The rule shared_fields applies, on a ServerConfig with one more value set.
     assert wiring.shared_fields(replace(CONFIG, num_rows=11), SchedulerConfig)["num_rows"] == 11
     assert "num_rows" not in wiring.shared_fields(CONFIG, VerifierConfig, {"num_rows": "no_such_field"})
+
+
+def test_the_scheduling_flags_are_the_settings_fields_with_the_same_defaults() -> None:
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))  # type: ignore[union-attr]
+    group = next(g for g in serve._action_groups if g.title == "scheduling")
+    names = {f.name for f in fields(SchedulerSettings)}
+    assert group._group_actions and all(a.dest in names for a in group._group_actions)
+    assert scheduler_settings(parser.parse_args(["serve"])) == ServerConfig().scheduling == SchedulerSettings()
+    flags = ["serve", "--scheduler", "ssjf", "--max-wait-s", "4.5", "--no-adaptive", "--max-prefill-tokens", "333",
+             "--decode-ahead", "5", "--max-queue", "77"]
+    assert scheduler_settings(parser.parse_args(flags)) == SchedulerSettings(
+        policy="ssjf", max_wait_s=4.5, adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5,
+        max_queue=77)
+    with pytest.raises(UserError, match="max_queue"):
+        scheduler_settings(parser.parse_args(["serve", "--max-queue", "0"]))
 
 
 def test_verifier_shards_supervisors_and_the_gateway() -> None:

@@ -104,30 +104,39 @@ def _numpy_scalar(obj: object) -> Any:
 
 
 def _check_encode_shape(header: dict[str, Any], limits: WireLimits) -> None:
-    """Depth, length and map-key checks a peer would apply, done before packing."""
+    """Depth, length and map-key checks a peer would apply, done before packing. It runs for
+    every message sent, so the common values (exact ``str``, ``int``, ``float``, short strings)
+    take a fast path; subclasses get the same checks through ``isinstance``."""
+    max_depth, max_items = limits.max_depth, limits.max_container_len
+    short = limits.max_str_len // 4  # a str's wire length is at most 4 bytes per character
     stack: list[tuple[Any, int]] = [(header, 1)]
     while stack:
         obj, depth = stack.pop()
-        if depth > limits.max_depth:
+        if depth > max_depth:
             raise EncodeError(f"message nesting depth exceeds max_depth={limits.max_depth}")
-        if len(obj) > limits.max_container_len:
+        if len(obj) > max_items:
             raise EncodeError(
                 f"a {type(obj).__name__} has {len(obj)} items > "
                 f"max_container_len={limits.max_container_len}"
             )
         if isinstance(obj, dict):
             for key in obj:
-                if not isinstance(key, str | bytes):
+                if type(key) is not str and not isinstance(key, str | bytes):
                     raise EncodeError(f"map keys must be str or bytes, got {type(key).__name__}")
-                _check_str_len(key, limits)
+                if len(key) > short:
+                    _check_str_len(key, limits)
             values: Any = obj.values()
         else:
             values = obj
         for value in values:
-            if isinstance(value, dict | list | tuple):
+            kind = type(value)
+            if kind is int or kind is float or kind is bool or value is None:
+                continue
+            if kind is str or kind is bytes or isinstance(value, str | bytes):
+                if len(value) > short:
+                    _check_str_len(value, limits)
+            elif isinstance(value, dict | list | tuple):
                 stack.append((value, depth + 1))
-            elif isinstance(value, str | bytes):
-                _check_str_len(value, limits)
 
 
 def _check_str_len(value: str | bytes, limits: WireLimits) -> None:
@@ -286,6 +295,9 @@ def _readable_id(header: dict[str, Any]) -> int | None:
     return None
 
 
+_KIND_VALUES = frozenset(kind.value for kind in Kind)
+
+
 def _check_version_and_kind(header: dict[str, Any], msg_id: int | None) -> None:
     if "v" not in header:
         raise DecodeError(ErrorCode.BAD_MESSAGE, "header has no 'v' (version)", msg_id)
@@ -308,7 +320,7 @@ def _check_version_and_kind(header: dict[str, Any], msg_id: int | None) -> None:
     kind = header["kind"]
     if not isinstance(kind, str):
         raise DecodeError(ErrorCode.BAD_MESSAGE, f"header 'kind' must be a str, got {wire_type(kind)}", msg_id)
-    if kind not in Kind.__members__.values():
+    if kind not in _KIND_VALUES:
         raise DecodeError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {wire_repr(kind)}", msg_id)
 
 
@@ -409,25 +421,23 @@ class _DecodeSink:
 def _resolve(
     header: dict[str, Any], limits: WireLimits, sink: _DecodeSink, msg_id: int | None
 ) -> None:
-    """Check nesting depth and replace ext markers in place (containers are fresh)."""
+    """Check nesting depth and replace ext markers in place (containers are fresh). msgpack
+    builds exact ``dict``, ``list`` and :class:`_RawExt` objects, so their types are compared
+    directly: this runs for every message received."""
+    max_depth = limits.max_depth
     stack: list[tuple[dict[str, Any] | list[Any], int]] = [(header, 1)]
     while stack:
         container, depth = stack.pop()
-        if depth > limits.max_depth:
+        if depth > max_depth:
             raise DecodeError(
                 ErrorCode.BAD_MESSAGE,
                 f"header nesting depth exceeds max_depth={limits.max_depth}",
                 msg_id,
             )
-        if isinstance(container, dict):
-            for key, value in container.items():
-                if isinstance(value, _RawExt):
-                    container[key] = sink.resolve(value)
-                elif isinstance(value, dict | list):
-                    stack.append((value, depth + 1))
-        else:
-            for i, value in enumerate(container):
-                if isinstance(value, _RawExt):
-                    container[i] = sink.resolve(value)
-                elif isinstance(value, dict | list):
-                    stack.append((value, depth + 1))
+        entries: Any = container.items() if type(container) is dict else enumerate(container)
+        for key, value in entries:
+            kind = type(value)
+            if kind is _RawExt:
+                container[key] = sink.resolve(value)
+            elif kind is dict or kind is list:
+                stack.append((value, depth + 1))

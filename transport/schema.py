@@ -131,13 +131,16 @@ def header_fields(msg: Message) -> dict[str, Any]:
     return fields
 
 
+_KIND_BY_VALUE = {kind.value: kind for kind in Kind}
+
+
 def build_message(header: dict[str, Any], msg_id: int | None) -> Message:
     """Build the typed message from a decoded header whose version and kind were already
     checked; raises ``DecodeError(BAD_MESSAGE)`` for a missing or mistyped field (its text
     names wire types). An optional field that is absent or nil takes its default. An
     unknown error code (from a newer peer) decodes as ``INTERNAL`` with the original
     string kept in ``details["unknown_code"]``."""
-    kind = Kind(header["kind"])
+    kind = _KIND_BY_VALUE[header["kind"]]
     values: dict[str, Any] = {}
     for spec in FIELDS[kind]:
         if spec.name not in header:

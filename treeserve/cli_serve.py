@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from treeserve.actors.scheduler.policy import POLICY_NAMES, PREDICTION_POLICIES
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.actors.speculator_factory import SPEC_SYNTAX, SpeculatorSpec, parse_speculator
 from treeserve.cli_common import (
     UserError,
@@ -56,28 +58,34 @@ def add_serve_parser(sub: Any) -> None:
     )
     add_expansion_flag(serve)
     serve.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel verifier ranks")
-    serve.add_argument("--scheduler", choices=POLICY_NAMES, default=defaults.scheduler,
-                       help=f"admission order; {'/'.join(PREDICTION_POLICIES)} use the output-length predictor")
-    serve.add_argument("--max-wait-s", type=float, default=defaults.max_wait_s,
-                       help=f"aging bound of {'/'.join(PREDICTION_POLICIES)}: a request waits at most about this "
-                            "long behind later ones")
+    scheduling = serve.add_argument_group("scheduling", "the scheduler's own settings (SchedulerSettings: each "
+                                          "flag's dest is its field)")
+    scheduling.add_argument("--scheduler", dest="policy", choices=POLICY_NAMES, default=defaults.scheduling.policy,
+                            help=f"admission order; {'/'.join(PREDICTION_POLICIES)} use the output-length predictor")
+    scheduling.add_argument("--max-wait-s", type=float, default=defaults.scheduling.max_wait_s,
+                            help=f"aging bound of {'/'.join(PREDICTION_POLICIES)}: a request waits at most about "
+                                 "this long behind later ones")
     serve.add_argument("--predictor", type=Path, default=None,
                        help="length predictor .npz from `treeserve train-predictor` (default: the shipped one)")
     serve.add_argument("--no-online-predictor", action="store_true",
                        help="do not refine the predictor from completed requests")
-    serve.add_argument("--no-adaptive", action="store_true",
-                       help="always draft max-size token trees instead of sizing them by batch and measured gain")
+    scheduling.add_argument("--no-adaptive", dest="adaptive_speculation", action="store_false",
+                            help="always draft max-size token trees instead of sizing them by batch and measured gain")
     add_format_flag(serve)
     serve.add_argument("--device", default=defaults.device,
                        help="cpu or cuda[:N]: tensor-parallel rank r on GPU N+r (NCCL, also for --tp 1), speculators "
                             "on the GPUs no rank holds first")
     serve.add_argument("--num-rows", type=int, default=defaults.num_rows, help="concurrent requests (KV-cache rows; default %(default)s)")
     serve.add_argument("--row-capacity", type=int, default=defaults.row_capacity, help="tokens per KV-cache row")
-    serve.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
-                       help="prompt tokens per prefill call: requests admitted together share batched forwards")
-    serve.add_argument("--decode-ahead", type=int, default=defaults.max_decode_steps, metavar="STEPS",
-                       help="when nothing speculates or waits, run up to this many plain decode steps per verifier "
-                            "call (about 0.1 s of them; 1: off; default %(default)s)")
+    scheduling.add_argument("--max-queue", type=int, default=defaults.scheduling.max_queue, metavar="N",
+                            help="requests waiting for a row before new ones are refused as overloaded "
+                                 "(default %(default)s)")
+    scheduling.add_argument("--max-prefill-tokens", type=int, default=defaults.scheduling.max_prefill_tokens,
+                            help="prompt tokens per prefill call: requests admitted together share batched forwards")
+    scheduling.add_argument("--decode-ahead", dest="max_decode_steps", type=int,
+                            default=defaults.scheduling.max_decode_steps, metavar="STEPS",
+                            help="when nothing speculates or waits, run up to this many plain decode steps per "
+                                 "verifier call (about 0.1 s of them; 1: off; default %(default)s)")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
     serve.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                        help=f"restarts a supervisor makes within {defaults.restart_window_s:g} s before the server "
@@ -105,6 +113,17 @@ def speculators_from_flags(specs: Sequence[str] | None, expansion: tuple[int, ..
         return tuple(parse_speculator(spec, expansion) for spec in specs)
     except ValueError as exc:
         raise UserError(f"--speculator: {exc}") from None
+
+
+def scheduler_settings(args: argparse.Namespace) -> SchedulerSettings:
+    """The scheduler's settings from the flags whose ``dest`` is a field of
+    :class:`~treeserve.actors.scheduler.types.SchedulerSettings`; a bad value is a
+    :class:`UserError`."""
+    try:
+        return SchedulerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SchedulerSettings)
+                                    if hasattr(args, f.name)})
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def server_config(**fields: Any) -> ServerConfig:
@@ -155,15 +174,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         tp=args.tp,
-        scheduler=args.scheduler,
-        max_wait_s=args.max_wait_s,
+        scheduling=scheduler_settings(args),
         predictor=None if args.predictor is None else str(args.predictor),
         online_predictor=not args.no_online_predictor,
-        adaptive_speculation=not args.no_adaptive,
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_decode_steps=args.decode_ahead,
         speculators=None if specs is None else tuple(s.to_wire() for s in specs),
         allow_public_bind=args.allow_public_bind,
         num_nodes=args.nodes,

@@ -95,11 +95,7 @@ def request_body(
                       stacklevel=4)
     for key, value in overrides.items():
         body["max_tokens" if key == "max_new_tokens" else key] = value
-    if length_hint is not None:
-        if isinstance(length_hint, bool) or not isinstance(length_hint, int):
-            raise TypeError(f"length_hint must be an int or None, got {type(length_hint).__name__}")
-        if length_hint < 1:
-            raise ValueError(f"length_hint must be >= 1, got {length_hint}")
+    if length_hint is not None:  # checked by the server, where the request enters
         body["length_hint"] = length_hint
     return body
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from treeserve.ops.loaders.load import (
     CONFIG_FILE,
     CONVERTED_FORMAT_VERSION,
-    STORED_BLOCKS_FILE,
     WEIGHTS_FILE,
     LoadedModel,
     _formatted_path,  # tests check the formatted-buffer cache key through it
@@ -43,7 +42,6 @@ __all__ = [
     "CONFIG_FILE",
     "CONVERTED_FORMAT_VERSION",
     "DEFAULT_MODEL",
-    "STORED_BLOCKS_FILE",
     "REGISTRY",
     "WEIGHTS_FILE",
     "LoadedModel",

@@ -35,7 +35,6 @@ from typing import Any
 
 from treeserve.actors.gateway.http_config import ServingState
 from treeserve.actors.metrics import ServingMetrics
-from treeserve.actors.scheduler.policy import PREDICTION_POLICIES
 from treeserve.actors.speculator_factory import SpeculatorKind, SpeculatorSpec
 from treeserve.ops.loaders.registry import ModelLoadError
 from treeserve.actors.verifier_config import VerifierConfig
@@ -344,12 +343,12 @@ class Server:
         from treeserve.ops.length_predictor import load_predictor
 
         cfg = self.config
-        if cfg.scheduler not in PREDICTION_POLICIES:
+        if not cfg.scheduling.uses_predictions:
             return None
         predictor = await asyncio.to_thread(load_predictor, cfg.predictor)
         if cfg.predictor is None and predictor.meta.get("model") != cfg.model:
             self._report(f"no length predictor for {cfg.model!r} (the shipped one is for {predictor.meta.get('model')!r}): "
-                         f"{cfg.scheduler} orders by max_tokens; train one with `treeserve train-predictor`")
+                         f"{cfg.scheduling.policy} orders by max_tokens; train one with `treeserve train-predictor`")
             return None
         info = self.model_info
         if predictor.spec.needs_model and (

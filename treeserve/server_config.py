@@ -5,13 +5,12 @@ from here)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from treeserve.actors.gateway.http_config import HttpConfig
 from treeserve.actors.model_host import check_device
-from treeserve.actors.scheduler.policy import POLICY_NAMES
-from treeserve.actors.scheduler.actor import SchedulerConfig
+from treeserve.actors.scheduler.types import SchedulerConfig, SchedulerSettings
 from treeserve.actors.speculator_factory import SpeculatorSpec, default_speculators
 from treeserve.ops.formats import FORMAT_NAMES, WeightFormat
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
@@ -50,19 +49,14 @@ class ServerConfig:
     without the 3-4 s load). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
     host's cores divided by the shards on it). Processes that share cores must not each use
     them all: oversubscribed OpenMP threads spin against each other and run many times slower.
-    ``scheduler``: the admission policy; ``ssjf`` and ``hrrn`` order by the output length a
-    proxy model predicts, run by a length-predictor actor (a child process with one thread):
-    ``predictor`` is a ``.npz`` from ``treeserve train-predictor`` (None: the shipped one, which
-    is used only for the model it was trained on; for other models these policies order by
-    ``max_tokens``); ``online_predictor`` refines it from completed requests. ``max_wait_s`` is
-    the aging bound: no request waits longer than about that behind later arrivals.
-    ``adaptive_speculation``: size each step's token trees (up to ``max_tree_nodes`` per row) from
-    the measured acceptance and step cost at the current batch size, down to plain decoding.
-    ``max_prefill_tokens``: prompt tokens per prefill call; requests admitted together share
-    calls and batched forwards up to it (a longer prompt goes alone).
-    ``max_decode_steps``: when nothing speculates or waits, one verifier call runs up to this
-    many plain decode steps (about 0.1 s of them; the stream then gets its tokens in chunks);
-    1 turns it off (see :class:`~treeserve.actors.scheduler.types.SchedulerConfig`).
+    ``scheduling``: the scheduler's own settings
+    (:class:`~treeserve.actors.scheduler.types.SchedulerSettings`: the admission ``policy`` and
+    its aging bound ``max_wait_s``, adaptive speculation, prefill and decode-ahead sizes). The
+    policies ``ssjf`` and ``hrrn`` order by the output length a proxy model predicts, run by a
+    length-predictor actor (a child process with one thread): ``predictor`` is a ``.npz`` from
+    ``treeserve train-predictor`` (None: the shipped one, which is used only for the model it
+    was trained on; for other models these policies order by ``max_tokens``);
+    ``online_predictor`` refines it from completed requests.
     """
 
     model: str = DEFAULT_MODEL
@@ -77,8 +71,7 @@ class ServerConfig:
     # What the scheduler is given takes the scheduler's own defaults (one definition each).
     num_rows: int = SchedulerConfig.num_rows
     row_capacity: int = SchedulerConfig.row_capacity
-    scheduler: str = SchedulerConfig.policy
-    max_wait_s: float = SchedulerConfig.max_wait_s
+    scheduling: SchedulerSettings = field(default_factory=SchedulerSettings)
     max_tree_nodes: int = SchedulerConfig.max_tree_nodes
     speculators: tuple[Mapping[str, Any], ...] | None = None
     num_speculator_actors: int = 1
@@ -98,9 +91,6 @@ class ServerConfig:
     node_wait_timeout_s: float = 300.0
     predictor: str | None = None
     online_predictor: bool = True
-    adaptive_speculation: bool = SchedulerConfig.adaptive_speculation
-    max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens
-    max_decode_steps: int = SchedulerConfig.max_decode_steps
 
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None (config entries)."""
@@ -127,12 +117,11 @@ class ServerConfig:
         if self.device != "cpu" and self.dtype in CPU_ONLY_FORMATS:
             raise ValueError(f"the {self.dtype} format has CPU kernels only; on {self.device} use float32 or bfloat16 "
                              f"(auto is bfloat16 there)")
-        if self.scheduler not in POLICY_NAMES:
-            raise ValueError(f"scheduler must be one of {POLICY_NAMES}, got {self.scheduler!r}")
+        if not isinstance(self.scheduling, SchedulerSettings):
+            raise ValueError(f"scheduling must be a SchedulerSettings, got {type(self.scheduling).__name__}")
         if self.speculators is not None:
             self.speculator_specs()  # ValueError names the bad entry
-        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams", "max_prefill_tokens",
-                     "max_decode_steps"):
+        for name in ("tp", "num_rows", "row_capacity", "max_tree_nodes", "max_concurrent_streams"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")

@@ -2,9 +2,10 @@
 :class:`~treeserve.server_config.ServerConfig` (and what the start found out: devices, the
 model's vocabulary) in this one place, so :class:`~treeserve.server.Server` only starts things.
 
-A scheduler setting that ``ServerConfig`` carries under the scheduler's own field name reaches
-:class:`~treeserve.actors.scheduler.types.SchedulerConfig` by that name (:func:`shared_fields`),
-with nothing to wire here; ``ServerConfig.scheduler`` is the scheduler's ``policy``.
+The scheduler's own settings travel whole (``ServerConfig.scheduling``, a
+:class:`~treeserve.actors.scheduler.types.SchedulerSettings`), so a new one is wired nowhere
+here; a shape that ``ServerConfig`` shares with other actors reaches their configs by its field
+name (:func:`shared_fields`).
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def predictor_config(cfg: ServerConfig, device: str) -> dict[str, Any]:
 
 
 def scheduler_config(cfg: ServerConfig, vocab_size: int, use_states: bool) -> SchedulerConfig:
-    """The scheduler's settings: those ``ServerConfig`` shares by name, its policy, and what the
-    verifier reported (``vocab_size``) and the speculators need (``use_states``)."""
-    same = shared_fields(cfg, SchedulerConfig, {"policy": "scheduler"})
-    return SchedulerConfig(**{**same, "vocab_size": vocab_size, "use_states": use_states})
+    """The scheduler's own settings (``cfg.scheduling``), the shapes ``ServerConfig`` shares with
+    it by name, and what the verifier reported (``vocab_size``) and the speculators need
+    (``use_states``)."""
+    settings = {f.name: getattr(cfg.scheduling, f.name) for f in fields(cfg.scheduling)}
+    return SchedulerConfig(**{**settings, **shared_fields(cfg, SchedulerConfig), "vocab_size": vocab_size,
+                              "use_states": use_states})
 
 
 def gateway_config(cfg: ServerConfig, vocab_size: int) -> GatewayConfig:

@@ -36,7 +36,7 @@ from treeserve.actors.gateway.http_generate import (
 from treeserve.actors.gateway.openai_api import ApiError, Endpoint, api_error_from, parse_openai
 from treeserve.actors.metrics import CONTENT_TYPE, ServingMetrics
 
-__all__ = ["HttpBackend", "HttpBindError", "HttpGateway"]
+__all__ = ["ROUTES", "HttpBackend", "HttpBindError", "HttpGateway"]
 
 _log = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ def error_response(error: ApiError) -> web.Response:
         headers["WWW-Authenticate"] = "Bearer"
     return web.Response(status=error.status, text=dumps(error.body()), content_type="application/json",
                         headers=headers)
+
+
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("POST", "/v1/chat/completions", "_chat"),
+    ("POST", "/v1/completions", "_completions"),
+    ("GET", "/v1/models", "_models"),
+    ("GET", "/v1/models/{model_id:.+}", "_model"),
+    ("GET", "/health", "_health"),
+    ("GET", "/metrics", "_render_metrics"),
+)
+"""Every route of the HTTP API: method, path and :class:`HttpGateway`'s handler. A new endpoint
+is a row here and its handler (the fuzz test, ``tests/actors/gateway/test_fuzz_bodies.py``,
+sends malformed bodies to every row)."""
 
 
 class HttpGateway:
@@ -121,12 +134,8 @@ class HttpGateway:
         if self._runner is not None or self._is_closed:
             raise RuntimeError("HttpGateway.start: already started (or closed)")
         app = web.Application(middlewares=[self._middleware], client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model_id:.+}", self._model)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._render_metrics)
+        for method, path, handler in ROUTES:
+            app.router.add_route(method, path, getattr(self, handler))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=self.config.shutdown_timeout_s)
         await runner.setup()

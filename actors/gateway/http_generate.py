@@ -34,6 +34,7 @@ from treeserve.actors.gateway.openai_api import (
     usage_of,
 )
 from treeserve.actors.gateway.request import InvalidRequest, parse_generate
+from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.actors.gateway.stream import check_fits, prompt_ids_for, relay_generation, scheduler_body
 from treeserve.runtime.ref import ActorRef
 
@@ -75,7 +76,7 @@ class Generation:
     """A request ready for the scheduler: its ``generate`` body, stop strings and speculation mode."""
 
     request: OpenAIRequest
-    body: dict[str, Any]
+    body: GenerateBody
     stop: tuple[str, ...]
     speculate: str
 

@@ -134,8 +134,9 @@ def api_error_from(exc: Exception, *, overloaded_retry_after_s: int, unavailable
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """A validated OpenAI request: ``wire`` is the ``generate`` body to send down the gateway's
-    path; ``has_max_tokens`` False means the endpoint's default applies once the prompt's length
+    """An OpenAI request, mapped: ``wire`` is OpenAI's fields renamed to a ``generate`` body,
+    which :func:`~treeserve.actors.gateway.request.parse_generate` then checks, the one check
+    both front ends share; the rest is what only HTTP has: ``has_max_tokens`` False means the endpoint's default applies once the prompt's length
     is known (:func:`default_max_tokens`); ``stream`` and ``include_usage`` shape the answer."""
 
     endpoint: Endpoint

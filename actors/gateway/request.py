@@ -84,7 +84,8 @@ GENERATE_FIELDS: frozenset[str] = frozenset(
 
 
 class InvalidRequest(ActorError, ValueError):
-    """A client request was rejected, by the gateway's parsing or the scheduler's own checks;
+    """A client request was rejected where it entered (the gateway's parsing, or a scheduler
+    body that crossed a process);
     the message says which field and why, and is sent back verbatim as an ``invalid_request``
     error. ``param``: the field at fault, given, or else the one the message starts with
     (``'max_tokens' must be ...``); None for the body as a whole."""
@@ -107,7 +108,10 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """A validated ``generate`` body. Exactly one of ``prompt``, ``messages`` and
+    """A client's request as it entered (a ZeroMQ ``generate`` body or an OpenAI HTTP body),
+    checked once by :func:`parse_generate`. It exists because only the front ends read text:
+    the prompt or chat messages before the chat template, and stop strings; the scheduler gets
+    the tokens (:class:`~treeserve.actors.messages.gateway.GenerateBody`). Exactly one of ``prompt``, ``messages`` and
     ``prompt_ids`` is set. ``temperature == 0`` is greedy; ``top_k`` None is no limit;
     ``stop_token_ids`` are extra stops added to the tokenizer's own; ``stop`` are strings that
     end the generation where they first appear in its text (the text stops before them).

@@ -108,10 +108,10 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, context_length: int) -> 
         )
 
 
-def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> dict[str, Any]:
-    """The scheduler's ``generate`` body (:class:`~treeserve.actors.messages.gateway.GenerateBody`,
-    fresh ``request_id``; the tokenizer's ``stop_ids`` plus the request's own stop ids; the
-    client's ``length_hint``, if any)."""
+def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequence[int]) -> GenerateBody:
+    """The scheduler's ``generate`` body, fresh ``request_id``; the tokenizer's ``stop_ids`` plus
+    the request's own stop ids; the client's ``length_hint``, if any. It goes to the scheduler
+    as the object (encoded only if the scheduler lives in another process)."""
     params = SamplingParams(
         temperature=req.temperature,
         top_k=req.top_k,
@@ -120,7 +120,7 @@ def scheduler_body(req: GenerateRequest, prompt_ids: list[int], stop_ids: Sequen
         stop_token_ids=tuple(sorted(set(stop_ids) | set(req.stop_token_ids))),
         max_new_tokens=req.max_tokens,
     )
-    return GenerateBody(uuid.uuid4().hex, tuple(prompt_ids), params, req.speculate, req.length_hint).to_wire()
+    return GenerateBody(uuid.uuid4().hex, tuple(prompt_ids), params, req.speculate, req.length_hint)
 
 
 class StopMatcher:
@@ -181,7 +181,7 @@ async def _next_item(items: AsyncGenerator[Any, None], item_timeout_s: float | N
 
 async def relay_generation(
     scheduler: ActorRef,
-    body: dict[str, Any],
+    body: GenerateBody,
     tokenizer: TokenizerLike,
     send_item: Callable[[dict[str, Any]], Awaitable[None]],
     stop: Sequence[str] = (),
@@ -230,7 +230,7 @@ async def relay_generation(
                     taken.append(token)
                     text += matcher.push(detok.push([token]))
                     if matcher.matched is not None:
-                        await scheduler.ask("finish", {"request_id": body["request_id"],
+                        await scheduler.ask("finish", {"request_id": body.request_id,
                                                        "num_tokens": len(token_ids) + len(taken)})
                         break
                 ids = taken

@@ -111,13 +111,9 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------------ public handlers
     @stream_handler
     async def generate(self, body: Any) -> AsyncIterator[dict[str, Any]]:
-        try:
-            call = GenerateBody.from_wire(body, self.config.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        request_id = call.request_id or f"req-{next(self._ids)}"
-        req = self.core.submit(request_id, list(call.prompt_ids), call.params, call.speculate, now=self.clock(),
-                               length_hint=call.length_hint)
+        call = GenerateBody.received(body, vocab_size=self.config.vocab_size,
+                                     context_length=self.config.row_capacity - self.config.max_tree_nodes)
+        req = self.core.submit(call.request_id or f"req-{next(self._ids)}", call, now=self.clock())
         outbox: Outbox = asyncio.Queue()
         self._outboxes[req.request_id] = outbox
         try:

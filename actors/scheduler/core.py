@@ -35,22 +35,17 @@ import numpy as np
 from treeserve.actors.acceptance import mean_tokens_per_step
 from treeserve.actors.scheduler.adaptive import AdaptiveSpeculation
 from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
-from treeserve.actors.messages.gateway import check_length_hint
+from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
-from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.scheduler.types import Admission, Event, LengthReport, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
 from treeserve.actors.gateway.request import InvalidRequest
-from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import FinishReason, emit_until_done
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorError
 from treeserve.transport.wire import ErrorCode
 
 log = logging.getLogger(__name__)
-
-_MODES = tuple(mode.value for mode in SpeculationMode)
-"""The ``speculate`` values a request may carry."""
 
 
 class _HasPrompt(Protocol):
@@ -106,28 +101,17 @@ class SchedulerCore:
         return len(self._requests)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, speculate: str,
-               now: float, length_hint: int | None = None) -> RequestState:
-        """Register a request arriving at ``now`` (its aging starts there); :meth:`enqueue`
-        queues it. ``length_hint``: the client's expected output tokens, if it sent one."""
-        if speculate not in _MODES:
-            raise InvalidRequest(f"speculate must be one of {list(_MODES)}, got {speculate!r}")
-        try:
-            check_length_hint(length_hint)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if len(prompt_ids) + params.max_new_tokens + self.config.max_tree_nodes > self.config.row_capacity:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) does not fit the "
-                f"context of {self.config.row_capacity - self.config.max_tree_nodes} tokens"
-            )
+    def submit(self, request_id: str, call: GenerateBody, now: float) -> RequestState:
+        """Register the request ``call`` arriving at ``now`` (its aging starts there);
+        :meth:`enqueue` queues it. Its values were checked where it entered this process
+        (:meth:`GenerateBody.received`); only the scheduler's own state is checked here."""
         if request_id in self._requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if len(self._policy) >= self.config.max_queue:
             raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
-        req = self._requests[request_id] = RequestState(request_id, list(prompt_ids), params, speculate, now,
-                                                        length_hint=length_hint)
-        if length_hint is not None:
+        req = self._requests[request_id] = RequestState(request_id, list(call.prompt_ids), call.params,
+                                                        call.speculate, now, length_hint=call.length_hint)
+        if call.length_hint is not None:
             self.stats.num_hinted += 1
         return req
 

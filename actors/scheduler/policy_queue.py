@@ -23,7 +23,10 @@ _HeapItem = TypeVar("_HeapItem", bound=tuple[object, ...])
 
 @dataclass(frozen=True)
 class QueuedRequest:
-    """A request waiting for admission: what the scheduler knows when it arrives.
+    """A request waiting for admission: what the scheduler knows when it arrives. It is the
+    policies' own view, apart from :class:`~treeserve.actors.scheduler.types.RequestState`, so
+    that an ordering reads only what ordering may read, and ``bench/scheduling.py``'s simulator
+    runs the same policies on requests that never reach a scheduler core.
 
     ``predicted_len`` is the proxy model's predicted output length in tokens (``None`` when no
     prediction exists; length-aware policies then assume ``max_tokens``, the longest it can

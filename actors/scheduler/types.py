@@ -45,10 +45,13 @@ class SchedulerFault(ActorError):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Scheduler knobs. ``num_rows``/``row_capacity`` must match the verifier shards' cache;
-    ``max_tree_nodes`` caps a merged token tree (root included); ``max_wait_s`` is the aging
-    bound of ``ssjf``/``hrrn``; ``step_timeout_s`` bounds each call to a shard;
+class SchedulerSettings:
+    """The scheduler's own settings: the ones a user chooses (``treeserve serve``'s flags of the
+    same ``dest``, or :class:`~treeserve.server_config.ServerConfig`'s ``scheduling``), apart
+    from the shapes it shares with the verifier and gateway (:class:`SchedulerConfig`). A new
+    setting is a field here, its flag, and the code that reads it.
+
+    ``policy``: the admission order; ``max_wait_s`` is the aging bound of ``ssjf``/``hrrn``.
     Length predictions never delay admission: a request is queued the moment it arrives, keyed by
     the longest it can be (``max_tokens``, or its client's ``length_hint``), and re-keyed when its
     prediction lands; one that finds a free row is admitted at once. Predictions run in batches
@@ -56,10 +59,10 @@ class SchedulerConfig:
     each bounded by ``predict_timeout_s`` (on a timeout its requests keep their keys). ``adaptive_speculation``
     sizes each step's trees (nodes per row, at most ``max_tree_nodes``) from measured acceptance
     and step cost at the current batch size (:mod:`treeserve.actors.scheduler.adaptive`); without it every
-    step drafts ``max_tree_nodes``. ``use_states``: a speculator drafts from the LLM's hidden
-    states (a ``feature`` drafter): the verifier returns them and they travel with proposals.
-    ``max_prefill_tokens`` bounds the prompt tokens of one prefill call: requests admitted
-    together share calls (and batched forwards) up to it, a longer prompt goes alone.
+    step drafts ``max_tree_nodes``. ``max_prefill_tokens`` bounds the prompt tokens of one
+    prefill call: requests admitted together share calls (and batched forwards) up to it, a
+    longer prompt goes alone. ``max_queue``: requests waiting before new ones are refused as
+    ``overloaded``.
 
     Decode-ahead: when no running request drafts (none speculates, or the adaptive policy chose
     no speculation for the step; a feature drafter's states come back one per token), every one
@@ -73,37 +76,26 @@ class SchedulerConfig:
     of 8 it had left batch-1 serving at 0.81-0.83x the in-process rate against 0.88-0.91x
     (``bench/actors_vs_inprocess.py``, two runs each)."""
 
-    num_rows: int = 8
-    row_capacity: int = 2048
-    vocab_size: int = 49152
     policy: str = "fcfs"
     max_wait_s: float = 30.0
-    max_tree_nodes: int = 64
     max_queue: int = 4096
-    step_timeout_s: float = 300.0
     predict_timeout_s: float = 10.0
     max_predict_batch: int = 16
     adaptive_speculation: bool = True
-    use_states: bool = False
     max_prefill_tokens: int = 8192
     max_decode_steps: int = 32
     decode_ahead_s: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes", "max_queue", "max_prefill_tokens",
-                     "max_decode_steps", "max_predict_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        _check_counts(self, ("max_queue", "max_prefill_tokens", "max_decode_steps", "max_predict_batch"))
         if self.max_decode_steps > MAX_DECODE_STEPS:
-            raise ValueError(f"SchedulerConfig.max_decode_steps must be <= {MAX_DECODE_STEPS}, got {self.max_decode_steps}")
+            raise ValueError(f"{type(self).__name__}.max_decode_steps must be <= {MAX_DECODE_STEPS}, "
+                             f"got {self.max_decode_steps}")
         if not self.decode_ahead_s >= 0:
-            raise ValueError(f"SchedulerConfig.decode_ahead_s must be >= 0, got {self.decode_ahead_s}")
-        if not self.max_wait_s > 0:
-            raise ValueError(f"SchedulerConfig.max_wait_s must be > 0, got {self.max_wait_s}")
-        for name in ("step_timeout_s", "predict_timeout_s"):
+            raise ValueError(f"{type(self).__name__}.decode_ahead_s must be >= 0, got {self.decode_ahead_s}")
+        for name in ("max_wait_s", "predict_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{type(self).__name__}.{name} must be > 0, got {getattr(self, name)}")
         self.make_policy()  # validates the name early
 
     def make_policy(self) -> SchedulingPolicy:
@@ -111,21 +103,52 @@ class SchedulerConfig:
         return make_policy(self.policy, **({} if self.policy == "fcfs" else {"max_wait_s": self.max_wait_s}))
 
     @property
-    def keepalive_s(self) -> float:
-        """How long a ``generate`` stream stays silent before it yields an empty keepalive item
-        (a quarter of ``step_timeout_s``, the bound a consumer may put on its wait)."""
-        return self.step_timeout_s / 4
-
-    @property
     def uses_predictions(self) -> bool:
         """Whether the policy orders by predicted output length (``ssjf``, ``hrrn``)."""
         return self.policy in PREDICTION_POLICIES
 
 
+def _check_counts(config: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(SchedulerSettings):
+    """The scheduler's settings and the shapes the server's composition root gives it:
+    ``num_rows``/``row_capacity`` must match the verifier shards' cache; ``max_tree_nodes``
+    caps a merged token tree (root included); ``step_timeout_s`` bounds each call to a shard;
+    ``vocab_size`` is the model's; ``use_states``: a speculator drafts from the LLM's hidden
+    states (a ``feature`` drafter): the verifier returns them and they travel with proposals."""
+
+    num_rows: int = 8
+    row_capacity: int = 2048
+    vocab_size: int = 49152
+    max_tree_nodes: int = 64
+    step_timeout_s: float = 300.0
+    use_states: bool = False
+
+    def __post_init__(self) -> None:
+        _check_counts(self, ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes"))
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"SchedulerConfig.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        super().__post_init__()
+
+    @property
+    def keepalive_s(self) -> float:
+        """How long a ``generate`` stream stays silent before it yields an empty keepalive item
+        (a quarter of ``step_timeout_s``, the bound a consumer may put on its wait)."""
+        return self.step_timeout_s / 4
+
+
 @dataclass
 class RequestState:
     """What the scheduler core knows of one open request (queued or running); mutable, and the
-    core's alone. ``length_hint``: the client's expected output tokens (None: it sent none);
+    core's alone. It exists beside the immutable body the request came in
+    (:class:`~treeserve.actors.messages.gateway.GenerateBody`) because its row, emitted tokens,
+    prediction and timings change at every step. ``length_hint``: the client's expected output tokens (None: it sent none);
     ``predicted_len``: the length predictor's guess, at most ``max_tokens``, once it has landed
     (it may land after admission, or never)."""
 
@@ -175,7 +198,9 @@ class RequestState:
 @dataclass(frozen=True)
 class Admission:
     """A request given KV row ``row`` this step: prefill its prompt there, then start its
-    speculators (if it ``speculates``); ``wants_states``: the prefill returns hidden states."""
+    speculators (if it ``speculates``); ``wants_states``: the prefill returns hidden states.
+    An instruction of one step's plan (frozen, so the plan can be carried out while the core
+    moves on), not a second record of the request."""
 
     request_id: str
     row: int
@@ -198,7 +223,8 @@ class Release:
 @dataclass(frozen=True)
 class RowPlan:
     """One row of the verify batch and its token-tree budget: at most ``max_nodes`` nodes (root
-    included), none deeper than ``max_depth`` (the tokens still allowed, less the bonus token)."""
+    included), none deeper than ``max_depth`` (the tokens still allowed, less the bonus token).
+    An instruction of one step's plan, like :class:`Admission`."""
 
     request_id: str
     row: int

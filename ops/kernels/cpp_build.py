@@ -1,11 +1,12 @@
 """Build treeserve's C++ CPU kernels once per machine, against the running torch.
 
-Each kernel is one ``.cpp`` file (which may include the headers beside it) that registers its
-dispatcher ops with ``TORCH_LIBRARY``. It is compiled with the system C++ compiler (``g++``, or
-``$CXX``) into ``$TREESERVE_CACHE/kernels`` (default ``~/.cache/treeserve/kernels``), under a
-name keyed by the source and those headers, the flags, the compiler and the torch version, so
-a later process loads it without compiling. A machine without a compiler, or a CPU without the
-instructions a kernel needs, gets ``None`` and the caller's torch fallback.
+Each kernel is one ``.cpp`` file, one translation unit (its parts are the headers beside it that it
+includes), that registers its dispatcher ops with ``TORCH_LIBRARY``. It is compiled with the
+system C++ compiler (``g++``, or ``$CXX``) into ``$TREESERVE_CACHE/kernels`` (default
+``~/.cache/treeserve/kernels``), under a name keyed by the source and every header beside it, the
+flags, the compiler and the torch version, so a later process loads it without compiling. A
+machine without a compiler, or a CPU without the instructions a kernel needs, gets ``None`` and
+the caller's torch fallback.
 """
 
 from __future__ import annotations
@@ -127,6 +128,33 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
         return None
 
 
+def _register(path: Path, fakes: dict[str, Callable[..., object]]) -> None:
+    torch.ops.load_library(str(path))  # registers the ops
+    for op, shape in fakes.items():
+        torch.library.register_fake(op)(shape)
+
+
+_ops_lock = threading.RLock()  # a kernel's flags() may load the kernels it calls
+_ops_loaded: dict[Path, bool] = {}
+
+
+def load_ops(source: Path, flags: Callable[[], Sequence[str] | None],
+             fakes: dict[str, Callable[..., object]] | None = None) -> bool:
+    """Build and load a kernel once per process: ``source`` compiled with ``flags()`` (None: this
+    CPU cannot run it; :func:`build`, cached), its ops loaded and their shape functions registered
+    (``fakes``: op name -> function). True when its ops are loaded; False where ``flags()`` is
+    None or the build failed (the caller's torch fallback runs). Later calls return the first
+    call's answer without asking ``flags`` again."""
+    with _ops_lock:
+        if source not in _ops_loaded:
+            chosen = flags()
+            path = build(source, chosen) if chosen is not None else None
+            if path is not None:
+                _register(path, fakes or {})
+            _ops_loaded[source] = path is not None
+        return _ops_loaded[source]
+
+
 VECTORS = 1
 TILES = 2
 VNNI = 4
@@ -181,7 +209,5 @@ def _load_amx_ops(source: Path, flags: Sequence[str], init_symbol: str, fakes: d
         return 0
     if tiles and not mask & TILES:
         log.info("%s: no AMX tiles for this process (CPU, VM or OS); its vector path runs at every shape", name)
-    torch.ops.load_library(str(path))  # registers the ops
-    for op, shape in fakes.items():
-        torch.library.register_fake(op)(shape)
+    _register(path, fakes)
     return mask

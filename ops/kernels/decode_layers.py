@@ -7,13 +7,13 @@ shares the call: the products (4-bit or 8-bit codes, each linear on its own kern
 each row on its own and sum exact int32 dots per group (the AVX2 kernels, or those of
 ``q4_amx.cpp`` on AVX512-VNNI: :func:`~treeserve.ops.fused_step.kernel_of`); the norms,
 RoPE, SiLU and residual adds work row by row in a fixed order; and the attention sums over each
-token's visible keys in an order fixed by their place in its own sequence (see the .cpp). So a
-token's logits are the same bits in a one-token step, a chain, a tree, a batch of 64 rows or a
-prefill, and speculation, batching and prefill chunking never change a greedy answer
-(``tests/ops/test_row_invariance.py``). The op has two builds, AVX-512 (on hosts with it) and
-AVX2 (:func:`flags`), which compute the same bits (a test compares them); its products are
-those of the host's kernel (each path's invariance is tested, not their agreement with each
-other).
+token's visible keys in an order fixed by their place in its own sequence (see
+``decode_layers_attn_blocks.h``). So a token's logits are the same bits in a one-token step, a
+chain, a tree, a batch of 64 rows or a prefill, and speculation, batching and prefill chunking
+never change a greedy answer (``tests/ops/test_row_invariance.py``). The op has two builds,
+AVX-512 (on hosts with it) and AVX2 (:func:`flags`), which compute the same bits (a test
+compares them); its products are those of the host's kernel (each path's invariance is tested,
+not their agreement with each other).
 
 ``torch.ops.treeserve_layers.attend`` runs one layer's attention alone, as ``run`` does (for
 ``tests/ops/test_decode_layers_attention.py`` and ``bench/attention_kernel.py``).
@@ -34,11 +34,7 @@ Built once per machine (:mod:`cpp_build`) after the ops it calls are loaded.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-
-import torch
-from torch import Tensor
 
 from treeserve.ops.kernels import avx2, cpp_build, tree_attention_cpu
 
@@ -54,25 +50,17 @@ MAX_GROUP = 16
 
 
 def flags() -> tuple[str, ...]:
-    """The build this CPU runs (as :func:`cpp_build.cpu_flags` shows it: ``TREESERVE_ISA=avx2``
+    """The build this CPU runs (as :func:`cpp_build.simd16_flags` picks it: ``TREESERVE_ISA=avx2``
     picks the AVX2 build on an AVX-512 host)."""
-    return AVX512_FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags() else AVX2_FLAGS
-
-_lock = threading.Lock()
-_loaded: bool | None = None
+    return AVX512_FLAGS if cpp_build.simd16_flags() == cpp_build.AVX512 else AVX2_FLAGS
 
 
 def available() -> bool:
     """True when the op is built and loaded here (a CPU with AVX2, FMA and F16C, where the AVX2
     matrix kernel and the CPU tree-attention kernel, whose ``write_kv`` it calls, load, and a
     C++ compiler)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = False
-            if avx2.loaded() and tree_attention_cpu.available():
-                path = cpp_build.build(SOURCE, flags())
-                if path is not None:
-                    torch.ops.load_library(str(path))  # registers treeserve_layers::run
-                    _loaded = True
-        return _loaded
+    return cpp_build.load_ops(SOURCE, _flags)
+
+
+def _flags() -> tuple[str, ...] | None:
+    return flags() if avx2.loaded() and tree_attention_cpu.available() else None

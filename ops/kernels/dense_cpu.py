@@ -13,7 +13,6 @@ cannot, the float32 format keeps ``F.linear``.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -27,28 +26,21 @@ CONTRACT = ("-ffp-contract=off",)
 written as FMAs, so both builds sum alike."""
 
 _NO_BIAS = torch.empty(0)
-_lock = threading.Lock()
-_loaded: bool | None = None
 
 
 def _shape(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _flags() -> tuple[str, ...] | None:
+    chosen = cpp_build.simd16_flags()
+    return (*chosen, *CONTRACT) if chosen is not None else None
+
+
 def available() -> bool:
     """True when the kernel is built and loaded (a CPU with AVX-512, or AVX2 and FMA, and a C++
     compiler)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = False
-            chosen = cpp_build.simd16_flags()
-            path = cpp_build.build(SOURCE, (*chosen, *CONTRACT)) if chosen is not None else None
-            if path is not None:
-                torch.ops.load_library(str(path))  # registers treeserve_dense::mm
-                torch.library.register_fake("treeserve_dense::mm")(_shape)
-                _loaded = True
-        return _loaded
+    return cpp_build.load_ops(SOURCE, _flags, {"treeserve_dense::mm": _shape})
 
 
 def mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

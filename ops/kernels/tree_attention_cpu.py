@@ -16,7 +16,6 @@ where they cannot, the decode step keeps torch's attention.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -38,7 +37,6 @@ MAX_GROUP = 16
 """The most query heads per KV head (one item's rows; more would need the group split)."""
 DTYPES = (torch.float32, torch.bfloat16)
 
-_lock = threading.Lock()
 _loaded: bool | None = None
 
 
@@ -51,27 +49,24 @@ def _write_kv_shape(keys: Tensor, values: Tensor, new_keys: Tensor, new_values: 
     return None
 
 
+def _flags() -> tuple[str, ...] | None:
+    flags = cpp_build.cpu_flags()
+    chosen = cpp_build.simd16_flags()
+    if chosen == FLAGS and "avx512_bf16" in flags:
+        chosen = (*FLAGS, *BF16_FLAGS)
+        if {"amx_tile", "amx_bf16"} <= flags:  # many new tokens on tiles, where the OS grants them
+            chosen = (*chosen, *AMX_FLAGS)
+    return chosen
+
+
 def available() -> bool:
     """True when the kernel is built and loaded (a CPU with AVX-512, or AVX2 and FMA, and a C++
     compiler)."""
     global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = False
-            flags = cpp_build.cpu_flags()
-            chosen = cpp_build.simd16_flags()
-            if chosen == FLAGS and "avx512_bf16" in flags:
-                chosen = (*FLAGS, *BF16_FLAGS)
-                if {"amx_tile", "amx_bf16"} <= flags:  # many new tokens on tiles, where the OS grants them
-                    chosen = (*chosen, *AMX_FLAGS)
-            if chosen is not None:
-                path = cpp_build.build(SOURCE, chosen)
-                if path is not None:
-                    torch.ops.load_library(str(path))  # registers treeserve_attn::tree_decode
-                    torch.library.register_fake("treeserve_attn::tree_decode")(_shape)
-                    torch.library.register_fake("treeserve_attn::write_kv")(_write_kv_shape)
-                    _loaded = True
-        return _loaded
+    if _loaded is None:
+        _loaded = cpp_build.load_ops(SOURCE, _flags, {"treeserve_attn::tree_decode": _shape,
+                                                      "treeserve_attn::write_kv": _write_kv_shape})
+    return _loaded
 
 
 def loaded() -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks
+from treeserve.ops.block_types import StoredBlocks
 from treeserve.ops.formats import WeightFormat, apply_format, prepared_buffers, resolve_format
 from treeserve.ops.linears import PREPARED_KERNELS
 from treeserve.ops.loaders.registry import (
@@ -132,7 +132,7 @@ def load_model(
     dir and later loads read that converted copy. Weights end up in ``dtype``; with
     ``weight_format`` they are loaded in float32 and put into that format for serving
     (:func:`prepare_for_serving`, which also compiles the decode step unless ``compile_decode``
-    is False; with ``background`` a first compile runs on a thread of its own), and ``dtype``
+    is False; with ``background`` a first compile runs in a process of its own), and ``dtype``
     is ignored.
     """
     if weight_format is not None:
@@ -247,19 +247,6 @@ def touch_pages(tensor: torch.Tensor) -> None:
         flat[::step].sum()
 
 
-STORED_BLOCKS_FILE = "stored-blocks.safetensors"
-"""Beside a converted GGUF, its decoded blocks (:func:`stored_blocks_of`), under a name that
-carries the hash of the decoders that wrote them (``stored-blocks-<hash>.safetensors``)."""
-
-
-def _stored_blocks_path(folder: Path) -> Path:
-    from treeserve.ops import block_types
-
-    digest = hashlib.sha256(Path(block_types.__file__).read_bytes()).hexdigest()[:12]
-    stem, suffix = STORED_BLOCKS_FILE.split(".", 1)
-    return folder / f"{stem}-{digest}.{suffix}"
-
-
 def gguf_source_of(source: Path) -> Path | None:
     """The GGUF file a loaded model came from (directly or through its converted folder), if any."""
     if source.is_file() and source.suffix == ".gguf":
@@ -285,43 +272,18 @@ def stored_types_of(source: Path, cache_dir: str | Path | None = None) -> dict[s
     return types
 
 
-def stored_blocks_of(source: Path, cache_dir: str | Path | None = None) -> dict[str, StoredBlocks]:
+def stored_blocks_of(source: Path) -> dict[str, StoredBlocks]:
     """The GGUF's own values of its integer-typed linear weights by parameter name
     (:func:`~treeserve.ops.loaders.gguf.read_stored_blocks`; empty when the weights are not from a
-    GGUF). Decoded once from the GGUF (about 5 s for the default model) and kept beside its
-    converted weights."""
-    from safetensors.torch import load_file, save_file
-
+    GGUF). Decoded from the GGUF (about 5 s for the default model) and not kept: only a format's
+    first :func:`prepare_for_serving` reads them, and it saves the format's buffers, which later
+    starts read instead (a kept copy was 133 MB for the default model)."""
     gguf_path = gguf_source_of(source)
     if gguf_path is None:
         return {}
-    cached = _stored_blocks_path(converted_dir_for(gguf_path, cache_dir))
-    if not cached.exists():
-        from treeserve.ops.loaders.gguf import read_stored_blocks
+    from treeserve.ops.loaders.gguf import read_stored_blocks
 
-        flat: dict[str, torch.Tensor] = {}
-        for name, b in read_stored_blocks(gguf_path).items():
-            if isinstance(b, Q4Blocks):
-                flat.update({f"{name}.q4.codes": b.codes, f"{name}.q4.scale": b.scale, f"{name}.q4.minimum": b.minimum})
-            else:
-                flat.update({f"{name}.c8.codes": b.codes, f"{name}.c8.scales": b.scales})
-                if b.zeros is not None:
-                    flat[f"{name}.c8.zeros"] = b.zeros
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".partial-{os.getpid()}")
-        save_file(flat, str(partial))
-        os.replace(partial, cached)
-    flat = load_file(str(cached))
-    found: dict[str, StoredBlocks] = {}
-    for key in flat:
-        name, kind, field = key.rsplit(".", 2)
-        if field != "codes":
-            continue
-        if kind == "q4":
-            found[name] = Q4Blocks(flat[key], flat[f"{name}.q4.scale"], flat[f"{name}.q4.minimum"])
-        else:
-            found[name] = Codes8Blocks(flat[key], flat[f"{name}.c8.scales"], flat.get(f"{name}.c8.zeros"))
-    return found
+    return read_stored_blocks(gguf_path)
 
 
 def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_dir: str | Path | None) -> Path:
@@ -335,7 +297,7 @@ def _formatted_path(model: Transformer, source: Path, fmt: WeightFormat, cache_d
     from treeserve.ops import block_types, formats
     from treeserve.ops.kernels import codes8, q4_amx, q8_amx
 
-    decoded = STORED_BLOCKS_FILE.split(".")[0]  # the decoded blocks beside a converted GGUF: not the weights' files
+    decoded = "stored-blocks"  # decoded blocks that older versions kept beside a converted GGUF: not the weights' files
     files = sorted(p for p in (source.iterdir() if source.is_dir() else [source])
                    if p.is_file() and not p.name.startswith(decoded))
     gguf = gguf_source_of(source)
@@ -369,8 +331,10 @@ def prepare_for_serving(
 ) -> Transformer:
     """Put a float32 ``model`` (sharded already, if tensor-parallel) into ``weight_format`` and,
     for the fast formats on CPU, attach the compiled one-token decode step. ``background``
-    (a server's verifier): a step that must be compiled (minutes) compiles on a thread of its
-    own while the model serves eagerly (:meth:`~treeserve.ops.decode_step.DecodeStep.prepare_in_background`);
+    (a server's verifier): a step that must be compiled (minutes) compiles in a process of its
+    own (:mod:`~treeserve.ops.loaders.prepare`; a tensor-parallel shard: on a thread) while the
+    model serves eagerly, and a thread then loads it
+    (:meth:`~treeserve.ops.decode_step.DecodeStep.prepare_in_background`);
     a saved one is still loaded before this returns (2-4 s). Loaded beside serving, it stalled
     the first steps by up to 1.2 s each for about 3 s (its imports and unpickling hold the
     interpreter lock), which cost a 128-token generation more than the wait it saved.
@@ -395,7 +359,7 @@ def prepare_for_serving(
         prepared = _preloaded_buffers.pop(saved, None)
         apply_format(model, fmt, prepared=read_buffers(saved) if prepared is None else prepared)
     else:
-        blocks = stored_blocks_of(source, cache_dir) if fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) else {}
+        blocks = stored_blocks_of(source) if fmt in (WeightFormat.Q4_1, WeightFormat.GGUF) else {}
         apply_format(model, fmt, stored=blocks)
         if saved is not None and model.device.type == "cpu":
             from safetensors.torch import save_file
@@ -426,6 +390,15 @@ def prepare_for_serving(
         logger.warning("%s", message)  # also from an actor's child process, which has no progress callback
         if progress is not None:
             progress(Progress("compile", message))
-    if step.attach(background=background):
+    build = None
+    if background and step.artifact is not None and not _has_hooks(model):  # a shard (hooks): not what a new process loads
+        from treeserve.ops.loaders.prepare import build_out_of_process
+
+        build = build_out_of_process(source, fmt.value, cache_dir, step.artifact)
+    if step.attach(background=background, build=build):
         model.decode_step = step
     return model
+
+
+def _has_hooks(model: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

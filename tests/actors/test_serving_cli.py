@@ -75,15 +75,17 @@ def test_serve_refuses_the_oracle_policy_and_a_distilled_speculator_without_its_
 
 def test_serve_flag_defaults_are_the_server_configs() -> None:
     from treeserve.actors.scheduler.actor import SchedulerConfig
+    from treeserve.actors.scheduler.types import SchedulerSettings
     from treeserve.cli import build_parser
     from treeserve.server import ServerConfig
 
     args, config = build_parser().parse_args(["serve"]), ServerConfig()
     assert args.num_rows == config.num_rows == SchedulerConfig().num_rows
-    assert (args.row_capacity, args.max_prefill_tokens, args.max_wait_s, args.scheduler, args.bind, args.tp) == (
-        config.row_capacity, config.max_prefill_tokens, config.max_wait_s, config.scheduler, config.bind, config.tp)
-    with pytest.raises(ValueError, match="scheduler"):
-        ServerConfig(scheduler="sjf-oracle")
+    assert (args.row_capacity, args.max_prefill_tokens, args.max_wait_s, args.policy, args.bind, args.tp) == (
+        config.row_capacity, config.scheduling.max_prefill_tokens, config.scheduling.max_wait_s,
+        config.scheduling.policy, config.bind, config.tp)
+    with pytest.raises(ValueError, match="sjf-oracle"):
+        SchedulerSettings(policy="sjf-oracle")
     with pytest.raises(ValueError, match="needs 'path'"):
         ServerConfig(speculators=({"kind": "distilled", "expansion": [2]},))
 

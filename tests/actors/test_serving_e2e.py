@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, InvalidRequestError, ServerError
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculative import generate_incremental
@@ -86,7 +87,7 @@ async def test_greedy_output_identical_to_incremental(tiny_folder: Path, adaptiv
     # Fixed trees also prefill every request in a call of its own (a 1-token budget: every
     # prompt is longer); adaptive shares calls between requests admitted together.
     max_prefill_tokens = 8192 if adaptive else 1
-    async with Server(config(tiny_folder, adaptive_speculation=adaptive, max_prefill_tokens=max_prefill_tokens)) as server, \
+    async with Server(config(tiny_folder, scheduling=SchedulerSettings(adaptive_speculation=adaptive, max_prefill_tokens=max_prefill_tokens))) as server, \
             Client(server.endpoint) as client:
         plain_steps = 0
         for speculate in ("none", "chain", "tree"):
@@ -119,7 +120,7 @@ async def test_cancel_frees_the_row(tiny_folder: Path) -> None:
     # Decode-ahead calls of at most 8 steps: a stop string found in one call's tokens reaches
     # the scheduler while the next call runs, so the request ends a call later; with the
     # default's 32 (0.1 s of the tiny model's steps) that call would be the rest of the 40.
-    async with Server(config(tiny_folder, num_rows=1, max_decode_steps=8)) as server, Client(server.endpoint) as client:
+    async with Server(config(tiny_folder, num_rows=1, scheduling=SchedulerSettings(max_decode_steps=8))) as server, Client(server.endpoint) as client:
         stream = client.stream([5, 6, 7], speculate="none", max_tokens=100)
         async for chunk in stream:
             assert chunk.token_ids

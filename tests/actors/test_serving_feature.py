@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client
 from treeserve.training.feature_distill import TrainConfig, collect_states, train_feature_drafter
 from treeserve.ops.feature_drafter import init_feature_drafter, load_feature_drafter, save_feature_drafter
@@ -74,7 +75,7 @@ async def test_served_feature_drafts_equal_the_in_process_ones(served: tuple[Pat
     folder, path = served
     config = ServerConfig(
         model=str(folder), bind="tcp://127.0.0.1:0", num_rows=4, row_capacity=160, max_tree_nodes=32,
-        speculators=({"kind": "feature", "path": str(path), "expansion": WIDTHS},), adaptive_speculation=False,
+        speculators=({"kind": "feature", "path": str(path), "expansion": WIDTHS},), scheduling=SchedulerSettings(adaptive_speculation=False),
         heartbeat_interval_s=0.25, step_timeout_s=60.0,
     )
     async with Server(config) as server, Client(server.endpoint) as client:

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, Completion
 from treeserve.models import DEFAULT_MODEL, load_model
 from treeserve.ops.linears import Int4Linear
@@ -181,7 +182,8 @@ def tiny_config(folder: Path, cache_dir: Path) -> ServerConfig:
     # 20 times slower (the default model's test keeps the default threads).
     return ServerConfig(
         model=str(folder), cache_dir=str(cache_dir), dtype="q4_1", bind="tcp://127.0.0.1:0", num_rows=NUM_REQUESTS,
-        row_capacity=128, max_tree_nodes=16, adaptive_speculation=False, compile_decode=False, verifier_threads=1,
+        row_capacity=128, max_tree_nodes=16, scheduling=SchedulerSettings(adaptive_speculation=False), compile_decode=False,
+        verifier_threads=1,
         heartbeat_interval_s=0.25, step_timeout_s=60.0,
     )
 
@@ -225,7 +227,7 @@ async def test_default_model_one_answer_alone_and_in_a_batch_of_16(tmp_path: Pat
     # for the tiny model; the default verifier threads.
     config = ServerConfig(
         dtype="q4_1", bind=f"ipc://{tmp_path}/gw.sock", num_rows=NUM_REQUESTS, row_capacity=256, max_tree_nodes=16,
-        adaptive_speculation=False, compile_decode=False, step_timeout_s=120.0,
+        scheduling=SchedulerSettings(adaptive_speculation=False), compile_decode=False, step_timeout_s=120.0,
     )
     async with Server(config) as server, Client(server.endpoint) as client:
         answers = await answers_of(server, client, requests)

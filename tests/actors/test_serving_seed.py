@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, Completion
 from treeserve.server import Server, ServerConfig
 
@@ -44,7 +45,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(folder: Path, adaptive: bool) -> ServerConfig:
     return ServerConfig(
         model=str(folder), bind="tcp://127.0.0.1:0", num_rows=4, row_capacity=160, max_tree_nodes=32,
-        speculators=SPECULATORS, adaptive_speculation=adaptive, heartbeat_interval_s=0.25, step_timeout_s=60.0,
+        speculators=SPECULATORS, scheduling=SchedulerSettings(adaptive_speculation=adaptive), heartbeat_interval_s=0.25, step_timeout_s=60.0,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, Completion
 from treeserve.ops.length_predictor import FeatureSpec, fit_predictor, load_predictor
 from treeserve.server import Server, ServerConfig
@@ -46,8 +47,8 @@ def predictor_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(folder: Path, predictor: Path, scheduler: str) -> ServerConfig:
     return ServerConfig(
         model=str(folder), bind="tcp://127.0.0.1:0", num_rows=1, row_capacity=200, max_tree_nodes=16,
-        speculators=(), heartbeat_interval_s=0.25, step_timeout_s=60.0, scheduler=scheduler,
-        predictor=str(predictor), max_wait_s=600.0,
+        speculators=(), heartbeat_interval_s=0.25, step_timeout_s=60.0,
+        scheduling=SchedulerSettings(policy=scheduler, max_wait_s=600.0), predictor=str(predictor),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway.actor import GatewayConfig
-from treeserve.testing.gateway_fakes import ByteTokenizer, expected_echo, fake_gateway, tiny_bpe_tokenizer
+from treeserve_testing.gateway_fakes import ByteTokenizer, expected_echo, fake_gateway, tiny_bpe_tokenizer
 
 HERE = Path(__file__).resolve().parent
 NODE = shutil.which("node")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from treeserve.ops.tokenizer import Tokenizer
-from treeserve.testing.gateway_fakes import tiny_bpe_tokenizer
+from treeserve_testing.gateway_fakes import tiny_bpe_tokenizer
 
 IM_START, IM_END = 256, 257
 

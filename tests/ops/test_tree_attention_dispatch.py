@@ -2,7 +2,7 @@
 never builds the dense slot mask there; chains and plain decode keep SDPA.
 
 On the CPU the CUDA path is driven by faking the device rule (``uses_tree_kernel``) and
-running the kernel's source under the CPU shim (:mod:`treeserve.testing.tree_attention_shim`)
+running the kernel's source under the CPU shim (:mod:`treeserve_testing.tree_attention_shim`)
 in place of CuPy: the model's tree forward then goes through the very code a GPU would run,
 and must give the SDPA path's logits.
 """
@@ -22,7 +22,7 @@ from treeserve.ops import tree_attention
 from treeserve.ops.kernels import tree_attention_cuda
 from treeserve.ops.model import Transformer
 from treeserve.ops.tree_attention import tree_mask_from_parents, uses_tree_kernel
-from treeserve.testing import tree_attention_shim
+from treeserve_testing import tree_attention_shim
 
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 6, -1, 9]  # two roots, uneven depths
 OTHER_TREE = [-1, 0, 1, 0, 3, 3, 5, 2, 7, 8, 1]

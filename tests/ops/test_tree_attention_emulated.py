@@ -1,5 +1,5 @@
 """The CUDA tree-attention kernels run on the CPU: their source compiled by g++ under a shim
-that emulates blocks, threads, shared memory and barriers (:mod:`treeserve.testing.tree_attention_shim`),
+that emulates blocks, threads, shared memory and barriers (:mod:`treeserve_testing.tree_attention_shim`),
 driven by the kernel's own host code (:func:`run_tree_attention`: plan, strides, workspace,
 combine). Results must match a float64 reference on random trees (chains, wide, deep, 64
 nodes), GQA, batches with different prefixes, several splits and block sizes, and float32,
@@ -37,7 +37,7 @@ from treeserve.ops.tree_attention import (
     tree_mask_from_ancestor_bits,
     tree_mask_from_parents,
 )
-from treeserve.testing import tree_attention_shim
+from treeserve_testing import tree_attention_shim
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 """Against float64 on the same (rounded) inputs: float32 sums, then one rounding of the output

@@ -8,7 +8,7 @@ import json
 import sys
 
 from treeserve.runtime import Runtime, RuntimeConfig
-from treeserve.testing.runtime_actors import WorkerActor
+from treeserve_testing.runtime_actors import WorkerActor
 
 
 async def main() -> None:

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from treeserve.runtime import Runtime, RuntimeConfig
-from treeserve.testing.runtime_actors import EchoActor
+from treeserve_testing.runtime_actors import EchoActor
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Reply, Request
 from treeserve.transport.wire import ErrorCode, WireLimits

@@ -19,8 +19,8 @@ import pytest
 
 from treeserve.runtime import ActorDeadError, ActorRef, DeadlineExceeded, RemoteError, Runtime, RuntimeConfig
 from treeserve.runtime.cluster import ClusterRegistry, RegistryConfig, spawn_on, start_registry
-from treeserve.testing.cluster_actors import GlooRankActor
-from treeserve.testing.runtime_actors import EchoActor, ProbeActor, WorkerActor
+from treeserve_testing.cluster_actors import GlooRankActor
+from treeserve_testing.runtime_actors import EchoActor, ProbeActor, WorkerActor
 
 pytestmark = [
     pytest.mark.timeout(60),

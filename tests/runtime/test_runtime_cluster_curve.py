@@ -24,7 +24,7 @@ from treeserve.runtime.cluster import (
     start_registry,
 )
 from treeserve.runtime.outbound import Outbound
-from treeserve.testing.runtime_actors import EchoActor
+from treeserve_testing.runtime_actors import EchoActor
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Request
 from treeserve.transport.sockets import CurveClientConfig, generate_keypair

@@ -23,7 +23,6 @@ from treeserve.runtime import (
     SupervisorConfig,
 )
 from treeserve.runtime.cluster import (
-    ClusterError,
     ClusterRegistry,
     JoinError,
     NodeConfig,
@@ -35,7 +34,7 @@ from treeserve.runtime.cluster import (
 )
 from treeserve.runtime.cluster_agent import SpawnRequest
 from treeserve.runtime.cluster_liveness import PingJudge, Verdict
-from treeserve.testing.runtime_actors import EchoActor, WorkerActor
+from treeserve_testing.runtime_actors import EchoActor, WorkerActor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,7 +214,7 @@ def test_child_launch_carries_allow_public_bind() -> None:
 
     for flag in (False, True):
         launch = ChildLaunch(
-            actor="treeserve.testing.runtime_actors:EchoActor", name="e", node_name="n", bind="tcp://127.0.0.1:0",
+            actor="treeserve_testing.runtime_actors:EchoActor", name="e", node_name="n", bind="tcp://127.0.0.1:0",
             parent_endpoint="ipc:///tmp/x.sock", parent_pid=1, heartbeat_interval_s=0.5, allow_public_bind=flag,
         )
         assert read_launch(io.BytesIO(launch.to_bytes())).allow_public_bind is flag

@@ -26,7 +26,7 @@ from treeserve.runtime import (
     handler,
     stream_handler,
 )
-from treeserve.testing.runtime_actors import WorkerActor
+from treeserve_testing.runtime_actors import WorkerActor
 from treeserve.transport.wire import ErrorCode
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,10 +10,10 @@ import pytest
 
 from treeserve.runtime import Runtime
 from treeserve.runtime.process import Warmup, discard_prestarted, prestart
-from treeserve.testing.runtime_actors import EchoActor, WorkerActor
+from treeserve_testing.runtime_actors import EchoActor, WorkerActor
 
 ECHO = f"{EchoActor.__module__}:{EchoActor.__qualname__}"
-HOOK = "treeserve.testing.runtime_actors:warm_up"
+HOOK = "treeserve_testing.runtime_actors:warm_up"
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ async def test_each_prestarted_child_is_used_once() -> None:
 
 
 async def test_a_failing_warm_up_still_starts_the_actor() -> None:
-    child = prestart(Warmup(ECHO, hook="treeserve.testing.runtime_actors:warm_up_fails", hook_args={"tag": "t"}))
+    child = prestart(Warmup(ECHO, hook="treeserve_testing.runtime_actors:warm_up_fails", hook_args={"tag": "t"}))
     async with Runtime() as rt:
         ref = await rt.spawn(EchoActor, name="echo", process="child")
         assert await ref.ask("pid") == child.pid

@@ -23,7 +23,7 @@ from treeserve.runtime import (
     Runtime,
     RuntimeConfig,
 )
-from treeserve.testing.runtime_actors import EchoActor, ProbeActor, TinyMailboxWorker, WorkerActor
+from treeserve_testing.runtime_actors import EchoActor, ProbeActor, TinyMailboxWorker, WorkerActor
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Reply, Request
 from treeserve.transport.wire import ErrorCode

@@ -20,7 +20,7 @@ from treeserve.runtime import (
     SupervisorConfig,
     SupervisorGaveUp,
 )
-from treeserve.testing.runtime_actors import WorkerActor
+from treeserve_testing.runtime_actors import WorkerActor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,8 +26,9 @@ from hypothesis import strategies as st
 
 import http_helpers as helpers  # registered by conftest.py
 from treeserve.actors.gateway.actor import GatewayConfig
+from treeserve.actors.gateway.http_api import ROUTES
 from treeserve.client import Client
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Request, StreamEnd
 
@@ -42,6 +44,11 @@ API_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_token
               "content"]
 WIRE_FIELDS = ["prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
                "stop_token_ids", "stop", "speculate", "parse_special_tokens", "length_hint", "role", "content"]
+
+POST_ROUTES = [path for method, path, _ in ROUTES if method == "POST"]
+ANY_ROUTE = [re.sub(r"\{[^}]*\}", "{}", path) for _, path, _ in ROUTES] + ["/v1/{}", "/{}"]
+"""Every route the API has (a new one is fuzzed too), its parameters filled by the fuzzer, and
+routes it does not have."""
 
 surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
 texts = st.text(max_size=12) | st.builds(lambda a, b: a + b, st.text(max_size=4), surrogates)
@@ -104,14 +111,14 @@ async def test_every_http_route_answers_malformed_bodies_with_4xx(server: Any) -
     url = server.http_url
 
     @FUZZ
-    @given(body=http_bodies, route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    @given(body=http_bodies, route=st.sampled_from(POST_ROUTES))
     def post(body: bytes, route: str) -> None:
         with httpx.Client(base_url=url, timeout=60) as http:
             _answered(http.post(route, content=body, headers={"content-type": "application/json"}), body[:200])
 
     @FUZZ
     @given(body=st.binary(max_size=40), model=texts, method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
-           route=st.sampled_from(["/v1/models", "/v1/models/{}", "/health", "/metrics", "/v1/{}", "/{}"]))
+           route=st.sampled_from(ANY_ROUTE))
     def other(body: bytes, model: str, method: str, route: str) -> None:
         path = route.format(urllib.parse.quote(model.encode("utf-8", "surrogatepass"), safe=""))
         with httpx.Client(base_url=url, timeout=60) as http:

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from treeserve.actors.gateway.actor import GatewayConfig
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 from treeserve.client import Client, InvalidRequestError, ServerError
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Message, Request, StreamEnd

@@ -13,9 +13,10 @@ import pytest
 from treeserve.actors.gateway.actor import GatewayConfig
 from treeserve.actors.gateway.request import CHAT_ROLES, InvalidRequest, parse_generate
 from treeserve.actors.gateway.stream import chat_roles_for, prompt_ids_for
+from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.client import Client, InvalidRequestError
 from treeserve.ops.tokenizer import Tokenizer
-from treeserve.testing.gateway_fakes import ByteTokenizer, fake_gateway, tiny_bpe_tokenizer
+from treeserve_testing.gateway_fakes import ByteTokenizer, fake_gateway, tiny_bpe_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,6 +110,9 @@ async def test_a_clients_length_hint_reaches_the_scheduler() -> None:
                 await client.generate("bad", max_tokens=2, length_hint=2**31)
     hinted, plain = fake.bodies.values()
     assert hinted["length_hint"] == 37 and "length_hint" not in plain
+    # One check where the request entered: in this process the scheduler gets the gateway's
+    # checked object itself, never a wire dict to parse again.
+    assert all(type(body) is GenerateBody for body in fake.received.values())
 
 
 # ------------------------------------------------------------------ fix 5: roles and characters

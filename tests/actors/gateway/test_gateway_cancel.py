@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from treeserve.actors.gateway.actor import GatewayConfig
-from treeserve.testing.gateway_fakes import ScriptedScheduler, fake_gateway
+from treeserve_testing.gateway_fakes import ScriptedScheduler, fake_gateway
 from treeserve.client import Client, DeadlineExceededError, OverloadedError, UnavailableError
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Request, StreamItem

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from treeserve.actors.gateway.actor import GatewayActor, GatewayConfig
-from treeserve.testing.gateway_fakes import (
+from treeserve_testing.gateway_fakes import (
     ByteTokenizer,
     expected_echo,
     fake_gateway,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway.actor import GatewayActor, GatewayConfig
-from treeserve.testing.gateway_fakes import expected_echo, fake_gateway
+from treeserve_testing.gateway_fakes import expected_echo, fake_gateway
 from treeserve.client import Client
 from treeserve.transport.messages import Message, StreamItem
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from treeserve.actors.gateway.stream import StopMatcher
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 from treeserve.client import Client, InvalidRequestError
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,6 @@ and error texts name wire types, never Python's."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import zmq.asyncio
 
 from treeserve.actors.gateway.actor import GatewayConfig
 from treeserve.client import Client
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 from treeserve.transport.codec import decode, encode
 from treeserve.transport.messages import Error, Heartbeat, Message, Reply, Request, StreamEnd, StreamItem
 

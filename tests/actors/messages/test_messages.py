@@ -17,6 +17,7 @@ import torch
 
 from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.actors.messages.checks import MalformedReply
+from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.actors.messages.gateway import FinishBody, GenerateBody
 from treeserve.actors.messages.length import LengthReport, PredictBatchBody, PredictBatchReply, PredictBody, PredictReply
 from treeserve.actors.messages.speculator import ProposalRequest, ProposeBody, ProposeReply, RequestRelease, StartBody
@@ -42,6 +43,7 @@ import tiny_model_files as tiny  # registered by conftest.py
 
 VOCAB = SPARSE_MAX_NONZEROS + 100  # a dense draft row has more non-zeros than the sparse form allows
 DIM = 6
+CONTEXT = 400
 SAMPLED = SamplingParams(temperature=0.7, top_k=40, seed=3, stop_token_ids=(2,), max_new_tokens=20)
 
 
@@ -145,9 +147,9 @@ def test_verifier_replies_round_trip_with_states_and_a_failed_row() -> None:
 
 def test_the_small_bodies_round_trip() -> None:
     generate = GenerateBody("g", (5, 6), SAMPLED, SpeculationMode.CHAIN)
-    assert GenerateBody.from_wire(through_codec(generate.to_wire()), VOCAB) == generate
-    assert GenerateBody.from_wire({"prompt_ids": [1]}, VOCAB) == GenerateBody(None, (1,), SamplingParams())
-    tiny_t = GenerateBody.from_wire({"prompt_ids": [1], "params": {"temperature": 1e-300}}, VOCAB)
+    assert generate_from_wire(through_codec(generate.to_wire())) == generate
+    assert generate_from_wire({"prompt_ids": [1]}) == GenerateBody(None, (1,), SamplingParams())
+    tiny_t = generate_from_wire({"prompt_ids": [1], "params": {"temperature": 1e-300}})
     assert tiny_t.params.is_greedy  # the one temperature rule: below the smallest sampled one is greedy
     prefill = PrefillBody((PrefillRow(1, (5, 6, 7), True), PrefillRow(0, (4,))), rank0_answers=True)
     assert PrefillBody.from_wire(through_codec(prefill.to_wire())) == prefill
@@ -169,15 +171,35 @@ def test_the_small_bodies_round_trip() -> None:
     assert PredictBatchReply.from_wire(through_codec({"predicted_lens": [3, 4.5]}), 2) == PredictBatchReply((3.0, 4.5))
 
 
+def generate_from_wire(body: Any) -> GenerateBody:
+    return GenerateBody.from_wire(body, vocab_size=VOCAB, context_length=CONTEXT)
+
+
+def test_a_generate_body_is_checked_where_it_crosses_a_process_and_passed_as_is_within_one() -> None:
+    body = GenerateBody("g", (5, 6), SAMPLED, SpeculationMode.CHAIN, length_hint=3)
+    assert GenerateBody.received(body, vocab_size=VOCAB, context_length=CONTEXT) is body
+    assert GenerateBody.received(through_codec(body.to_wire()), vocab_size=VOCAB, context_length=CONTEXT) == body
+    fits = {"prompt_ids": [1] * 4, "params": {"max_new_tokens": CONTEXT - 4}}
+    assert generate_from_wire(fits).params.max_new_tokens == CONTEXT - 4
+    for param, bad in [("max_tokens", {"prompt_ids": [1] * 5, "params": {"max_new_tokens": CONTEXT - 4}}),
+                       ("prompt_ids", {"prompt_ids": [VOCAB]}),
+                       ("params", {"prompt_ids": [1], "params": {"temperature": -1}}),
+                       ("speculate", {"prompt_ids": [1], "speculate": "forest"}),
+                       ("length_hint", {"prompt_ids": [1], "length_hint": 0})]:
+        with pytest.raises(InvalidRequest) as refused:
+            generate_from_wire(bad)
+        assert refused.value.param == param
+
+
 def test_the_generate_body_carries_an_optional_length_hint() -> None:
     hinted = GenerateBody("g", (5, 6), SAMPLED, SpeculationMode.NONE, length_hint=40)
     assert hinted.to_wire()["length_hint"] == 40
-    assert GenerateBody.from_wire(through_codec(hinted.to_wire()), VOCAB) == hinted
+    assert generate_from_wire(through_codec(hinted.to_wire())) == hinted
     assert "length_hint" not in GenerateBody("g", (5,), SAMPLED).to_wire()  # what an old gateway sends
-    assert GenerateBody.from_wire({"prompt_ids": [1], "length_hint": None}, VOCAB).length_hint is None
+    assert generate_from_wire({"prompt_ids": [1], "length_hint": None}).length_hint is None
     for bad in (0, -1, True, 2.5, "40"):
         with pytest.raises(ValueError, match="length_hint must be an int >= 1"):
-            GenerateBody.from_wire({"prompt_ids": [1], "length_hint": bad}, VOCAB)
+            generate_from_wire({"prompt_ids": [1], "length_hint": bad})
 
 
 # ---------------------------------------------------------------------- frames
@@ -248,9 +270,9 @@ def test_malformed_speculator_and_predictor_bodies_are_rejected() -> None:
         with pytest.raises(ValueError, match=message):
             ProposeBody.from_wire(body, vocab_size=VOCAB, dim=DIM, params=ParamsCache())
     with pytest.raises(ValueError, match="unknown generate fields"):
-        GenerateBody.from_wire({"prompt_ids": [1], "prompt": "x"}, VOCAB)
+        generate_from_wire({"prompt_ids": [1], "prompt": "x"})
     with pytest.raises(ValueError, match="speculate must be one of"):
-        GenerateBody.from_wire({"prompt_ids": [1], "speculate": "forest"}, VOCAB)
+        generate_from_wire({"prompt_ids": [1], "speculate": "forest"})
     with pytest.raises(ValueError, match="is_censored"):
         LengthReport.from_wire({"request_id": "a", "num_generated_tokens": 3, "is_censored": 1})
     with pytest.raises(ValueError, match="token ids in"):

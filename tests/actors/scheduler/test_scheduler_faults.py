@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.actors.scheduler.actor import SchedulerActor
 from treeserve.client import Client, ServerError
 from treeserve.ops.sampling import SamplingParams
@@ -109,7 +110,7 @@ def config(folder: Path) -> ServerConfig:
     # Fixed trees: every step asks the speculator (adaptive sizing could fall back to plain steps).
     return ServerConfig(
         model=str(folder), bind="tcp://127.0.0.1:0", num_rows=4, row_capacity=160, max_tree_nodes=32,
-        speculators=({"kind": "ngram", "num_draft_tokens": 4},), adaptive_speculation=False,
+        speculators=({"kind": "ngram", "num_draft_tokens": 4},), scheduling=SchedulerSettings(adaptive_speculation=False),
         heartbeat_interval_s=0.25, step_timeout_s=60.0,
     )
 

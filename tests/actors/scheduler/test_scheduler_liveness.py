@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from treeserve.actors.gateway.actor import GatewayConfig
-from treeserve.testing.gateway_fakes import fake_gateway
+from treeserve_testing.gateway_fakes import fake_gateway
 from treeserve.actors.scheduler.actor import SchedulerActor, SchedulerConfig
 from treeserve.client import Client, ServerError
 from treeserve.runtime import Runtime
-from treeserve.testing.verifier_fakes import StepVerifier
+from treeserve_testing.verifier_fakes import StepVerifier
 
 pytestmark = pytest.mark.timeout(60)
 

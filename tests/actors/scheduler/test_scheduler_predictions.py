@@ -17,7 +17,7 @@ import pytest
 
 from treeserve.actors.scheduler.actor import SchedulerActor, SchedulerConfig
 from treeserve.runtime import Actor, ActorRef, Runtime, handler
-from treeserve.testing.verifier_fakes import StepVerifier
+from treeserve_testing.verifier_fakes import StepVerifier
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -117,7 +117,8 @@ class ScriptedScheduler(Actor):
     (the gateway's call when a stop string appears) ends that stream before its next chunk with
     ``finish_reason`` ``"stop"``. ``events`` records ``(event, request_id)`` pairs: ``start``,
     ``finish``, ``done``, ``cancelled`` (the generator saw CancelledError or GeneratorExit);
-    ``bodies`` maps request id to the body received."""
+    ``bodies`` maps request id to the body received, in its wire form, and ``received`` to the
+    body object itself (a gateway in this process passes a typed body as it is)."""
 
     max_concurrency = 512
     mailbox_size = 1024
@@ -129,14 +130,17 @@ class ScriptedScheduler(Actor):
         self.fail_code: str | None = cfg.get("fail_code")
         self.events: list[tuple[str, str]] = []
         self.bodies: dict[str, dict[str, Any]] = {}
+        self.received: dict[str, Any] = {}
         self.finished: dict[str, int] = {}
 
     @stream_handler
-    async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, received: Any) -> AsyncIterator[dict[str, Any]]:
         """Echo the prompt back; see the class docstring."""
         start = time.perf_counter()
+        body = received.to_wire() if hasattr(received, "to_wire") else received
         request_id = str(body["request_id"])
         self.bodies[request_id] = body
+        self.received[request_id] = received
         self.events.append(("start", request_id))
         if self.fail_code == "crash":
             raise RuntimeError("scripted crash")
