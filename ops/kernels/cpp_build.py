@@ -12,6 +12,7 @@ the caller's torch fallback.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -116,11 +117,19 @@ def build(source: Path, flags: Sequence[str]) -> Path | None:
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        log.info("%s: compiling once for this machine (%s)", source.name, target)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            scratch = Path(tmp) / target.name
-            subprocess.run([cxx, str(source), "-o", str(scratch), *all_flags], capture_output=True, text=True, check=True)
-            os.replace(scratch, target)  # atomic: a concurrent builder ends with one whole file
+        # One builder per kernel across processes: a first start's verifier and speculator
+        # children need the same kernels, and the second waits for the first's file instead of
+        # compiling it again beside it.
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if target.exists():
+                return target
+            log.info("%s: compiling once for this machine (%s)", source.name, target)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                scratch = Path(tmp) / target.name
+                subprocess.run([cxx, str(source), "-o", str(scratch), *all_flags], capture_output=True, text=True,
+                               check=True)
+                os.replace(scratch, target)  # atomic: a reader never sees half a file
         return target
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
