@@ -4,8 +4,10 @@ anything heavy, with the model flags they were given; other commands and layouts
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,3 +83,17 @@ def test_generate_compiles_its_decode_step_only_where_it_pays(flags: list[str], 
 
     args = cli.build_parser().parse_args(["generate", "Hi", *flags])
     assert compile_decode(args) is expected
+
+
+def test_cache_dir_names_the_whole_cache_for_this_process_and_its_children(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    from treeserve.ops.kernels import cpp_build
+    from treeserve.ops.loaders.registry import resolve_cache_dir
+
+    monkeypatch.delenv("TREESERVE_CACHE", raising=False)
+    cli.use_cache_dir(["serve", "--http", "127.0.0.1:0"])
+    assert "TREESERVE_CACHE" not in os.environ  # no flag: the default cache
+    cli.use_cache_dir(["pull", "--cache-dir", str(tmp_path / "c")])
+    # The environment is what child processes inherit, and what the kernels' builds read.
+    assert os.environ["TREESERVE_CACHE"] == str(tmp_path / "c")
+    assert cpp_build.build_dir() == tmp_path / "c" / "kernels" and resolve_cache_dir() == tmp_path / "c"

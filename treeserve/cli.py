@@ -20,17 +20,33 @@ supervisor gave up restarting a child, so a process manager can restart it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from treeserve import __version__
 from treeserve.cli_common import UserError, add_format_flag, add_model_flags, model_name, progress
 from treeserve.ops.format_names import AUTO_FORMAT
-from treeserve.ops.loaders.registry import ModelLoadError
+from treeserve.ops.loaders.registry import CACHE_ENV_VAR, ModelLoadError
 
 VERIFIER_ACTOR = "treeserve.actors.verifier:VerifierShard"
 PRELOAD_HOOK = "treeserve.ops.loaders.load:preload"
+
+
+def use_cache_dir(argv: Sequence[str]) -> None:
+    """``--cache-dir DIR`` names the whole cache, for this process and every process it starts:
+    it becomes ``$TREESERVE_CACHE``, which the C++ kernels' builds read too (they know no flags).
+    Read leniently, before anything starts; the full parser validates it afterwards."""
+    scan = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    scan.add_argument("--cache-dir", default=None)
+    try:
+        known, _ = scan.parse_known_args(argv[1:])
+    except (argparse.ArgumentError, SystemExit):  # malformed flags: the full parser reports them
+        return
+    if known.cache_dir:
+        os.environ[CACHE_ENV_VAR] = str(Path(known.cache_dir).expanduser())
 
 
 def prestart_verifier(argv: Sequence[str]) -> bool:
@@ -130,6 +146,7 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: parse ``argv`` and run one subcommand."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    use_cache_dir(argv)
     prestarted = prestart_verifier(argv)
     try:
         args = build_parser().parse_args(argv)
