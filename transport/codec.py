@@ -140,9 +140,8 @@ def _check_encode_shape(header: dict[str, Any], limits: WireLimits) -> None:
 
 
 def _check_str_len(value: str | bytes, limits: WireLimits) -> None:
-    # A str's wire length is its UTF-8 size, at most 4 bytes per character.
-    if len(value) * 4 <= limits.max_str_len:
-        return
+    # Called for values longer than max_str_len // 4 (shorter ones fit at 4 bytes a character):
+    # a str's wire length is its UTF-8 size.
     size = len(value.encode()) if isinstance(value, str) else len(value)
     if size > limits.max_str_len:
         raise EncodeError(f"a str/bin of {size} bytes exceeds max_str_len={limits.max_str_len}")

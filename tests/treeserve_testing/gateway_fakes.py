@@ -16,6 +16,7 @@ from typing import Any
 from treeserve.actors.gateway.actor import GatewayActor
 from treeserve.actors.gateway.config import GatewayConfig, TokenizerLike
 from treeserve.runtime.actor import Actor, handler, stream_handler
+from treeserve.runtime.bodies import body_to_wire
 from treeserve.runtime.config import RuntimeConfig
 from treeserve.runtime.errors import ActorError
 from treeserve.runtime.runtime import Runtime
@@ -137,7 +138,7 @@ class ScriptedScheduler(Actor):
     async def generate(self, received: Any) -> AsyncIterator[dict[str, Any]]:
         """Echo the prompt back; see the class docstring."""
         start = time.perf_counter()
-        body = received.to_wire() if hasattr(received, "to_wire") else received
+        body = body_to_wire(received)  # the form it would have had from another process
         request_id = str(body["request_id"])
         self.bodies[request_id] = body
         self.received[request_id] = received
