@@ -8,7 +8,7 @@ What feeds it:
   from the request's arrival; so every front end's requests count);
 - the HTTP front end: its requests by endpoint, outcome and error code, and those in flight;
 - sources read at scrape time (:meth:`watch`): the scheduler's ``stats`` (queue length,
-  running and free rows), the supervisors' restart counts, the ZeroMQ gateway's counters (``GatewayStats`` as a map), and
+  running, free and parked rows, preemptions), the supervisors' restart counts, the ZeroMQ gateway's counters (``GatewayStats`` as a map), and
   the serving state.
 
 ``totals`` keeps the same counts as plain numbers for the one-line load log (``load_log.py``).
@@ -179,9 +179,15 @@ class _LiveCollector(Collector):
         stats = m.latest_scheduler_stats
         for name, key, doc in (("treeserve_queue_length", "num_queued", "Requests waiting for a row"),
                                ("treeserve_running_rows", "num_running", "Requests holding a KV-cache row"),
-                               ("treeserve_free_rows", "num_free_rows", "KV-cache rows free")):
+                               ("treeserve_free_rows", "num_free_rows", "KV-cache rows free"),
+                               ("treeserve_parked_requests", "num_parked", "Preempted requests waiting in a park row")):
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        for name, key, doc in (("treeserve_preemptions", "num_preempted", "Running requests preempted (moved to a "
+                                "park row for a far shorter queued one)"),
+                               ("treeserve_resumptions", "num_resumed", "Preempted requests moved back to run")):
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
         restarts = CounterMetricFamily("treeserve_child_restarts", "Restarts of child actors, by supervisor",
                                        labels=["supervisor"])
         for supervisor, count in sorted(m.restarts().items()):

@@ -23,6 +23,10 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   k roots: one call, and one hop to the compute thread, for k tokens
   (:class:`~treeserve.actors.messages.verifier.StepBody`).
 * ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
+* ``move {"src", "dst"}`` -> None: move row ``src``'s committed cache to the empty row ``dst``
+  (:meth:`~treeserve.ops.kv_cache.KVCache.move_row`): the scheduler parks a preempted request
+  in a row its steps do not run, and moves it back when it resumes. The request's generator and
+  params stay (they are keyed by request, not row).
 
 Randomness: a seeded request's tokens are keyed by ``(seed, sequence position)``
 (:class:`~treeserve.ops.sampling.SampleKey`, placed by ``verify_rows`` at the row's committed
@@ -65,6 +69,7 @@ from treeserve.actors.messages.verifier import (
     PrefillBody,
     PrefilledRow,
     PrefillReply,
+    RowMove,
     RowRelease,
     RowVerdict,
     StepBody,
@@ -301,6 +306,15 @@ class VerifierShard(Actor):
         self._params.forget(call.request_id)
         await self._offload.run(cache.reset_row, row)
         await self._scrub_if_needed(cache, row)
+
+    @handler
+    async def move(self, body: Any) -> None:
+        """Move row ``src``'s committed cache to the empty row ``dst`` (``src`` ends empty)."""
+        call = RowMove.from_wire(body)
+        _model, cache = await self._ready()
+        src, dst = self._row(call.src), self._row(call.dst)
+        await self._scrub_if_needed(cache, dst)
+        await self._offload.run(cache.move_row, src, dst)
 
     async def _scrub_if_needed(self, cache: KVCache, row: int) -> None:
         """Zero the cache of a row that failed numerically (once): its next request must not

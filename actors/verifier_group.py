@@ -28,6 +28,7 @@ from treeserve.actors.messages.verifier import (
     PrefillBody,
     PrefillReply,
     PrefillRow,
+    RowMove,
     RowRelease,
     RowVerdict,
     StepBody,
@@ -68,6 +69,11 @@ class VerifierGroup:
     async def release(self, row: int, request_id: str) -> None:
         """Forget ``row``'s cache and ``request_id``'s generator on every shard."""
         await self._fan_out("release", RowRelease(row, request_id).to_wire())
+
+    async def move(self, src: int, dst: int) -> None:
+        """Move row ``src``'s cache to the empty row ``dst`` on every shard (a preempted request
+        parks, or resumes)."""
+        await self._fan_out("move", RowMove(src, dst).to_wire())
 
     async def _fan_out(self, method: str, body: dict[str, Any]) -> Any:
         """Send ``body`` (one object for all shards) to every shard; return rank 0's reply."""

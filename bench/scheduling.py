@@ -351,6 +351,8 @@ def resolve_prompt(entry: dict[str, Any], data_dir: Path = DATA_DIR) -> dict[str
     raise ValueError(f"{entry['source']} is not in {path}")
 
 
+SERVER_COUNTS: dict[str, int] = {}
+"""The last replayed server's scheduler counters (``num_preempted``, ``num_resumed``), read after each run."""
 ORACLE_MAX_WAIT_S = 1e9
 """The real-server oracle's aging bound: none in effect (the simulator's oracle does not age either)."""
 
@@ -362,11 +364,14 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
     if oracle is not None:  # the SJF oracle: ssjf over a lookup table of true lengths, no aging
         return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                             dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
-                            verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S), predictor=str(oracle),
+                            verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S,
+                                                                   preempt_rows=args.preempt_rows), predictor=str(oracle),
                             online_predictor=False, speculators=() if args.speculate == SpeculationMode.NONE else None)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
-                        verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=policy, max_wait_s=args.max_wait_s), predictor=args.predictor,
+                        verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=policy, max_wait_s=args.max_wait_s,
+                                                                   preempt_rows=args.preempt_rows if policy != PolicyName.FCFS.value else 0),
+                        predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == SpeculationMode.NONE else None)
 
@@ -412,6 +417,10 @@ async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], pol
                                  done.predicted_len, done.num_prompt_tokens)
 
             results = await asyncio.gather(*(one(e) for e in trace))
+            assert server.scheduler is not None
+            stats = await server.scheduler.ask("stats")
+            SERVER_COUNTS.clear()
+            SERVER_COUNTS.update({k: int(stats.get(k, 0)) for k in ("num_preempted", "num_resumed")})
     return list(results)
 
 
@@ -608,6 +617,7 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
             load = None if label == "burst" else float(label.split()[1])
             entries = burst_of(trace) if load is None else at_rate(trace, load * capacity, args.seed + repeat)
             results: dict[str, list[JobResult]] = {}
+            preemptions: dict[str, int] = {PolicyName.FCFS.value: 0}
             for policy in rotated(args.policy, repeat):
                 if load is None and policy == PolicyName.FCFS.value and repeat == 0:
                     results[policy] = first  # the first pass is round 0's FCFS burst
@@ -615,12 +625,15 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
                 _log(f"round {repeat + 1}/{args.repeats}, {label}: {policy} (load average {_loadavg()})")
                 results[policy] = asyncio.run(replay(args, entries, policy,
                                                      oracle_path if policy == SJF_ORACLE else None))
+                preemptions[policy] = SERVER_COUNTS.get("num_preempted", 0)
                 _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
             results = {p: results[p] for p in args.policy}  # table order: as asked
             per_policy = with_ratios({p: summarize(r) for p, r in results.items()})
             if PolicyName.FCFS.value in per_policy and SJF_ORACLE in per_policy:
                 for name in per_policy:
                     per_policy[name]["share_of_oracle_gain"] = oracle_gain_share(per_policy, name)
+            for name in per_policy:
+                per_policy[name]["num_preemptions"] = float(preemptions.get(name, 0))
             for name, rs in results.items():  # greedy decoding: every policy should see the first pass's lengths
                 per_policy[name]["num_length_mismatches"] = float(sum(
                     r.num_tokens != lengths[int(e["trace_index"])] for r, e in zip(rs, entries)))
@@ -710,12 +723,13 @@ def plot_cdf_rows(rows: dict[str, dict[str, Sequence[float]]], path: Path, title
 
 def _table(per_policy: dict[str, dict[str, float]]) -> str:
     lines = [f"{'policy':<11} {'mean JCT':>9} {'p50':>7} {'p99':>7} {'mean wait':>9} {'max wait':>9} "
-             f"{'req/s':>6} {'tok/s':>7} {'mean/FCFS':>9} {'p99/FCFS':>8} {'oracle gain':>11}"]
+             f"{'req/s':>6} {'tok/s':>7} {'mean/FCFS':>9} {'p99/FCFS':>8} {'oracle gain':>11} {'preempted':>9}"]
     for name, m in per_policy.items():
         lines.append(f"{name:<11} {m['mean_jct_s']:>9.2f} {m['p50_jct_s']:>7.2f} {m['p99_jct_s']:>7.2f} "
                      f"{m['mean_wait_s']:>9.2f} {m['max_wait_s']:>9.2f} {m['req_per_s']:>6.3f} "
                      f"{m['tokens_per_s']:>7.1f} {m.get('ratio_mean_jct_to_fcfs', math.nan):>9.3f} "
-                     f"{m.get('ratio_p99_jct_to_fcfs', math.nan):>8.3f} {m.get('share_of_oracle_gain', math.nan):>11.2f}")
+                     f"{m.get('ratio_p99_jct_to_fcfs', math.nan):>8.3f} {m.get('share_of_oracle_gain', math.nan):>11.2f} "
+                     f"{m.get('num_preemptions', 0):>9.0f}")
     return "\n".join(lines)
 
 
@@ -759,6 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1,
                         help="known-load mode: run every row and policy this many times, interleaved (repeat r "
                              "runs each row's policies in an order rotated by r); tables show medians")
+    parser.add_argument("--preempt-rows", type=int, default=0,
+                        help="limited preemption for every policy but fcfs (the oracle too): park rows (0: off)")
     parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
     parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
     parser.add_argument("--make-trace", type=Path, default=None,

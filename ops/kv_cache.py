@@ -156,6 +156,26 @@ class KVCache:
         self.lengths[row] = length + len(keep)
         self.num_pending[row] = 0
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move ``src``'s committed keys and values (and its length) to the empty row ``dst``;
+        ``src`` is left empty. Only the committed slots are copied, so a move costs the row's
+        length, not the capacity. A scheduler that parks a preempted request moves it out of
+        the rows its steps run, and back when it resumes: the forward then reads exactly the
+        keys and values it would have read had the request never left."""
+        self._check_row(src)
+        self._check_row(dst)
+        if src == dst:
+            raise ValueError(f"move_row needs two different rows, got {src} twice")
+        if int(self.lengths[dst]) or self.num_pending[dst]:
+            raise ValueError(f"move_row's destination row {dst} holds {int(self.lengths[dst])} tokens; reset it first")
+        length = int(self.lengths[src])
+        for kc, vc in zip(self.keys, self.values):
+            kc[dst, :, :length] = kc[src, :, :length]
+            vc[dst, :, :length] = vc[src, :, :length]
+        self.lengths[dst] = length
+        self.num_pending[dst] = 0
+        self.reset_row(src)
+
     def reset_row(self, row: int) -> None:
         """Forget everything in ``row`` (committed and pending); its slots will be overwritten."""
         self.truncate(row, 0)

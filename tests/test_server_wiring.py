@@ -17,7 +17,8 @@ from treeserve.cli_serve import scheduler_settings
 from treeserve.server_config import ServerConfig
 
 SETTINGS = SchedulerSettings(policy="ssjf", max_wait_s=4.5, max_queue=77, predict_timeout_s=3.0, max_predict_batch=5,
-                             adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5, decode_ahead_s=0.2)
+                             adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5, decode_ahead_s=0.2,
+                             preempt_rows=2, max_preemptions=3)
 CONFIG = ServerConfig(num_rows=3, row_capacity=777, max_tree_nodes=9, step_timeout_s=12.0, scheduling=SETTINGS,
                       tp=2, dtype="bfloat16", cache_dir="/c", compile_decode=False, compile_in_background=True,
                       max_restarts=7, restart_window_s=9.0, heartbeat_interval_s=0.25)
@@ -47,10 +48,12 @@ def test_the_scheduling_flags_are_the_settings_fields_with_the_same_defaults() -
     assert group._group_actions and all(a.dest in names for a in group._group_actions)
     assert scheduler_settings(parser.parse_args(["serve"])) == ServerConfig().scheduling == SchedulerSettings()
     flags = ["serve", "--scheduler", "ssjf", "--max-wait-s", "4.5", "--no-adaptive", "--max-prefill-tokens", "333",
-             "--decode-ahead", "5", "--max-queue", "77"]
+             "--decode-ahead", "5", "--max-queue", "77", "--preempt-rows", "4", "--max-preemptions", "2"]
     assert scheduler_settings(parser.parse_args(flags)) == SchedulerSettings(
         policy="ssjf", max_wait_s=4.5, adaptive_speculation=False, max_prefill_tokens=333, max_decode_steps=5,
-        max_queue=77)
+        max_queue=77, preempt_rows=4, max_preemptions=2)
+    with pytest.raises(UserError, match="preemption"):
+        scheduler_settings(parser.parse_args(["serve", "--preempt-rows", "2"]))  # fcfs has no lengths to compare
     with pytest.raises(UserError, match="max_queue"):
         scheduler_settings(parser.parse_args(["serve", "--max-queue", "0"]))
 
@@ -59,7 +62,8 @@ def test_verifier_shards_supervisors_and_the_gateway() -> None:
     shards = wiring.verifier_configs(CONFIG, ("cpu", "cpu"), "tcp://127.0.0.1:9", num_threads=1)
     assert [s.tp_rank for s in shards] == [0, 1] and all(s.tp_size == 2 for s in shards)
     for shard in shards:
-        assert (shard.dtype, shard.cache_dir, shard.num_rows, shard.row_capacity) == ("bfloat16", "/c", 3, 777)
+        # The running rows, then the park rows of preempted requests.
+        assert (shard.dtype, shard.cache_dir, shard.num_rows, shard.row_capacity) == ("bfloat16", "/c", 3 + 2, 777)
         assert shard.compile_decode is False and shard.compile_in_background is True
         assert VerifierConfig.from_wire(shard.to_wire()) == shard
     together = wiring.supervisor_config(CONFIG, RestartStrategy.ONE_FOR_ALL)

@@ -86,6 +86,12 @@ def add_serve_parser(sub: Any) -> None:
                             default=defaults.scheduling.max_decode_steps, metavar="STEPS",
                             help="when nothing speculates or waits, run up to this many plain decode steps per "
                                  "verifier call (about 0.1 s of them; 1: off; default %(default)s)")
+    scheduling.add_argument("--preempt-rows", type=int, default=defaults.scheduling.preempt_rows, metavar="N",
+                            help="limited preemption (ssjf/hrrn): N more KV-cache rows where a running request with a "
+                                 "long predicted remainder waits, its cache kept, while a far shorter queued one runs "
+                                 "(0: off; default %(default)s)")
+    scheduling.add_argument("--max-preemptions", type=int, default=defaults.scheduling.max_preemptions, metavar="N",
+                            help="times one request may be preempted (default %(default)s)")
     serve.add_argument("--allow-public-bind", action="store_true", help="allow a non-loopback --bind")
     serve.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                        help=f"restarts a supervisor makes within {defaults.restart_window_s:g} s before the server "

@@ -49,8 +49,11 @@ def runtime_config(cfg: ServerConfig) -> RuntimeConfig:
 
 def verifier_configs(cfg: ServerConfig, devices: tuple[str, ...], dist_init: str | None,
                      num_threads: int) -> list[VerifierConfig]:
-    """One shard's config per tensor-parallel rank, on ``devices[rank]``."""
+    """One shard's config per tensor-parallel rank, on ``devices[rank]``. Its cache holds the
+    scheduler's running rows and, after them, the rows where preempted requests wait
+    (``scheduling.preempt_rows``)."""
     same = shared_fields(cfg, VerifierConfig, {"tp_size": "tp"})
+    same["num_rows"] = cfg.num_rows + cfg.scheduling.preempt_rows
     return [VerifierConfig(**{**same, "tp_rank": rank, "device": devices[rank], "dist_init": dist_init,
                               "num_threads": num_threads})
             for rank in range(cfg.tp)]

@@ -153,6 +153,23 @@ class RowRelease:
         return cls(check_int(body["row"], "row"), check_request_id(body["request_id"]))
 
 
+@dataclass(frozen=True)
+class RowMove:
+    """``move {"src", "dst"}`` to a verifier shard: move row ``src``'s cache to the empty row
+    ``dst`` (a preempted request parks there, and comes back the same way when it resumes)."""
+
+    src: int
+    dst: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"src": self.src, "dst": self.dst}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> RowMove:
+        body = check_body(body, ("src", "dst"))
+        return cls(check_int(body["src"], "src"), check_int(body["dst"], "dst"))
+
+
 # ---------------------------------------------------------------------- verifier -> scheduler
 @dataclass(frozen=True)
 class PrefilledRow:
@@ -279,6 +296,6 @@ def _reply_ints(entry: Mapping[str, Any], name: str) -> tuple[int, ...]:
 
 
 __all__ = [
-    "MAX_DECODE_STEPS", "PrefillBody", "PrefillReply", "PrefillRow", "PrefilledRow", "RowRelease", "RowVerdict", "StepBody", "StepReply",
+    "MAX_DECODE_STEPS", "PrefillBody", "PrefillReply", "PrefillRow", "PrefilledRow", "RowMove", "RowRelease", "RowVerdict", "StepBody", "StepReply",
     "StepRow",
 ]

@@ -3,7 +3,8 @@
 A request joins the running batch at any step and leaves when it finishes. The decisions
 (admission order, rows, prefill chunks, tree budgets and merges, the stopping rule) are
 :class:`~treeserve.actors.scheduler.core.SchedulerCore`'s; this actor does the I/O around each
-step: it releases the rows of ended requests, prefills the admitted ones and starts their
+step: it releases the rows of ended requests, moves a preempted request's cache to its park row
+and a resumed one's back (:mod:`~treeserve.actors.scheduler.preemption`), prefills the admitted ones and starts their
 speculators, asks every speculator concurrently for token trees, sends ONE batched verify step
 to the :class:`~treeserve.actors.verifier_group.VerifierGroup`, and streams the results.
 
@@ -231,6 +232,12 @@ class SchedulerActor(Actor):
         await self._deliver(plan.finished)
         if not await self._release(plan.releases):
             return
+        for move in plan.moves:
+            try:
+                await self.verifiers.move(move.src, move.dst)
+            except ActorError as exc:
+                await self._deliver(self.core.verifier_failed(exc).events)  # this whole plan included
+                return
         for chunk in plan.prefill_chunks:
             if not await self._prefill(chunk):
                 return

@@ -20,7 +20,9 @@ clock. A request ends only through an event the core returns; the core never str
 KV budget: every request owns one cache row of ``row_capacity`` slots for its whole life, and
 is admitted only when ``prompt + max_tokens + max_tree_nodes`` fits a row. A request that can
 never fit is refused with ``invalid_request`` at submission; others wait for a free row, so
-memory never runs out mid-generation and nothing is preempted.
+memory never runs out mid-generation. With ``preempt_rows`` a running request may be preempted
+(:mod:`~treeserve.actors.scheduler.preemption`): its cache moves to a park row (rows
+``num_rows`` and up, never run by a step) and back when it resumes, so it still owns one row.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
 from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
-from treeserve.actors.scheduler.types import Admission, Event, LengthReport, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
+from treeserve.actors.scheduler.preemption import RepeatWatch, may_preempt
+from treeserve.actors.scheduler.types import Admission, Event, LengthReport, Move, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
 from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.ops.speculative import FinishReason, emit_until_done
 from treeserve.ops.token_tree import TokenTree
@@ -87,8 +90,9 @@ class SchedulerCore:
         self.stats = SchedulerStats()
         self._policy = config.make_policy()
         self._requests: dict[str, RequestState] = {}  # open: queued or running
-        self._running: dict[str, RequestState] = {}  # holding a row, in admission order
+        self._running: dict[str, RequestState] = {}  # holding a row (parked ones too), in admission order
         self._free_rows = list(range(config.num_rows))
+        self._free_park_rows = list(range(config.num_rows, config.num_rows + config.preempt_rows))
         self._plain_step_s: float | None = None  # one plain decode step's time, last measured
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and num_speculators:
@@ -111,6 +115,8 @@ class SchedulerCore:
             raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
         req = self._requests[request_id] = RequestState(request_id, list(call.prompt_ids), call.params,
                                                         call.speculate, now, length_hint=call.length_hint)
+        if self.config.preempt_rows:
+            req.repeats = RepeatWatch()
         if call.length_hint is not None:
             self.stats.num_hinted += 1
         return req
@@ -134,6 +140,8 @@ class SchedulerCore:
         if not self.is_open(req):
             return False
         req.predicted_len = min(max(predicted_len, 1.0), float(req.params.max_new_tokens))
+        if req.is_parked:  # queued on its remainder, which the running re-prediction keeps
+            return False
         if not self._policy.update(self._queued(req)):
             return False
         self.stats.num_rekeyed += 1
@@ -149,6 +157,11 @@ class SchedulerCore:
 
     @staticmethod
     def _queued(req: RequestState) -> QueuedRequest:
+        """The policy's view of ``req``: a parked request queues on what it still may write."""
+        if req.is_parked or req.emitted:
+            return QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids) + len(req.emitted),
+                                 max(1, req.params.max_new_tokens - len(req.emitted)),
+                                 predicted_len=req.predicted_remaining)
         return QueuedRequest(req.request_id, req.arrival_s, len(req.prompt_ids), req.params.max_new_tokens,
                              predicted_len=req.expected_len)
 
@@ -186,8 +199,9 @@ class SchedulerCore:
                 del req.emitted[req.stop_after:]  # what the consumer kept: the length the predictor learns
                 finished.append(self._finish(req, FinishReason.STOP, now))
                 releases.append(self._release(req))
-        admitted = self._admit(now)
-        batch = [r for r in self._running.values() if not r.is_cancelled]
+        moves = self._preempt(now) if self._free_park_rows else []
+        admitted = self._admit(now, moves)
+        batch = [r for r in self._running.values() if not r.is_cancelled and not r.is_parked]
         # A step where no row speculates says nothing about tree budgets: the policy neither
         # chooses for it nor learns from it (else a plain step would be costed as a tree step).
         speculating = any(r.speculates for r in batch)
@@ -203,6 +217,7 @@ class SchedulerCore:
         return StepPlan(
             finished=tuple(finished),
             releases=tuple(releases),
+            moves=tuple(moves),
             prefill_chunks=tuple(tuple(chunk) for chunk in prefill_chunks(admitted, self.config.max_prefill_tokens)),
             rows=tuple(rows),
             tree_budget=budget,
@@ -287,6 +302,8 @@ class SchedulerCore:
                 releases.append(self._release(req))
                 continue
             taken, finish = emit_until_done(req.emitted, list(verdict.new_tokens), req.params)
+            if req.repeats is not None:
+                req.repeats.feed(req.emitted, len(taken))
             if plan.decode_steps > 1:  # one forward per token, no drafts
                 req.accepted_per_step.extend([0] * len(verdict.new_tokens))
             else:
@@ -325,7 +342,7 @@ class SchedulerCore:
             failure = SchedulerFault(message)
         events = [self._end(req, failure) for req in list(self._running.values())]
         self.stats.num_failed += len(events)
-        self._free_rows = list(range(self.config.num_rows))
+        self._reset_rows()
         return StepEvents(tuple(events))
 
     def fail_all(self, error: ActorError) -> StepEvents:
@@ -336,7 +353,7 @@ class SchedulerCore:
         events = [self._end(req, error) for req in list(self._requests.values())]
         self.stats.num_failed += len(events)
         self._policy = self.config.make_policy()
-        self._free_rows = list(range(self.config.num_rows))
+        self._reset_rows()
         return StepEvents(tuple(events), releases)
 
     def snapshot(self) -> dict[str, Any]:
@@ -346,12 +363,47 @@ class SchedulerCore:
             "num_queued": len(self._policy),
             "num_running": len(self._running),
             "num_free_rows": len(self._free_rows),
+            "num_parked": sum(r.is_parked for r in self._running.values()),
             "policy": self.config.policy,
             **({} if self._adaptive is None else {"adaptive": self._adaptive.snapshot()}),
         }
 
     # ------------------------------------------------------------------ helpers
-    def _admit(self, now: float) -> list[Admission]:
+    def _reset_rows(self) -> None:
+        self._free_rows = list(range(self.config.num_rows))
+        self._free_park_rows = list(range(self.config.num_rows, self.config.num_rows + self.config.preempt_rows))
+
+    def _preempt(self, now: float) -> list[Move]:
+        """Park at most one running request for the queue's head (the rules:
+        :mod:`~treeserve.actors.scheduler.preemption`); its running row is then free for admission."""
+        if self._free_rows or not self._free_park_rows:
+            return []
+        head = self._policy.peek(now)
+        if head is None or self._requests[head.request_id].is_parked:
+            return []
+        head_len = head.predicted_service
+        candidates = [r for r in self._running.values()
+                      if not (r.is_parked or r.is_cancelled or r.stop_after is not None or not r.emitted)
+                      and may_preempt(r.predicted_remaining, head_len, r.num_preempted, self.config.max_preemptions)]
+        is_promoted = getattr(self._policy, "is_promoted", None)
+        if is_promoted is not None:
+            candidates = [r for r in candidates if not is_promoted(self._queued(r), now)]
+        if not candidates:
+            return []
+        victim = max(candidates, key=lambda r: r.predicted_remaining)
+        assert victim.row is not None
+        self._free_park_rows.sort(reverse=True)
+        move = Move(victim.request_id, victim.row, self._free_park_rows.pop())
+        self._free_rows.append(victim.row)
+        victim.row, victim.is_parked = move.dst, True
+        victim.num_preempted += 1
+        self.stats.num_preempted += 1
+        self._policy.add(self._queued(victim), now)
+        return [move]
+
+    def _admit(self, now: float, moves: list[Move]) -> list[Admission]:
+        """Give free running rows to queued requests in the policy's order: a parked one resumes
+        (a move back, appended to ``moves``), any other is prefilled."""
         admitted: list[Admission] = []
         while self._free_rows and len(self._policy):
             picked = self._policy.select(now, len(self._free_rows))
@@ -360,7 +412,15 @@ class SchedulerCore:
             for queued in picked:
                 req = self._requests[queued.request_id]
                 self._free_rows.sort(reverse=True)
-                req.row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
+                row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
+                if req.is_parked:
+                    assert req.row is not None
+                    moves.append(Move(req.request_id, req.row, row))
+                    self._free_park_rows.append(req.row)
+                    req.row, req.is_parked = row, False
+                    self.stats.num_resumed += 1
+                    continue
+                req.row = row
                 req.admitted_s = now
                 self._running[req.request_id] = req
                 wants_states = self.config.use_states and req.speculates
@@ -390,12 +450,18 @@ class SchedulerCore:
         row, req.row = req.row, None
         self._running.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
-        self._free_rows.append(row)
+        if req.is_parked:
+            self._policy.remove(req.request_id)
+            self._free_park_rows.append(row)
+        else:
+            self._free_rows.append(row)
         # A speculator that must be rebuilt from the history would take these out of step.
         tail = tuple(req.since_propose) if req.speculates and not req.needs_history else ()
         return Release(req.request_id, row, req.speculates, tail)
 
     def _end(self, req: RequestState, error: ActorError) -> RequestFailed:
+        if req.is_parked:
+            self._policy.remove(req.request_id)
         self._running.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         return RequestFailed(req.request_id, error)

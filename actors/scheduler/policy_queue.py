@@ -74,7 +74,7 @@ class SchedulingPolicy(Protocol):
     queued request whose prediction arrived after it was queued (:meth:`QueuePolicy.update`
     states what may change) and says whether it was queued; ``select`` takes up to
     ``max_count`` requests (the free rows) off the queue in priority order at ``now``;
-    ``pop_next`` is ``select`` of one.
+    ``pop_next`` is ``select`` of one; ``peek`` is the request ``pop_next`` would take, left queued.
     """
 
     def add(self, request: QueuedRequest, now: float) -> None: ...
@@ -84,6 +84,7 @@ class SchedulingPolicy(Protocol):
     def update(self, request: QueuedRequest) -> bool: ...
 
     def pop_next(self, now: float) -> QueuedRequest | None: ...
+    def peek(self, now: float) -> QueuedRequest | None: ...
 
     def select(self, now: float, max_count: int) -> list[QueuedRequest]: ...
 
@@ -174,6 +175,16 @@ class QueuePolicy(ABC):
         """The highest-priority request at ``now``, removed from the queue; ``None`` if empty."""
         chosen = self.select(now, 1)
         return chosen[0] if chosen else None
+
+    def peek(self, now: float) -> QueuedRequest | None:
+        """The request :meth:`pop_next` would take at ``now``, left in the queue (same slot, so
+        the same place in every order); ``None`` if empty."""
+        slot = self._pop_best(now)
+        if slot is None:
+            return None
+        self._slots[slot.request.request_id] = slot
+        self._num_heap_items += self._index(slot)
+        return slot.request
 
     def select(self, now: float, max_count: int) -> list[QueuedRequest]:
         """Take up to ``max_count`` requests off the queue, best first at ``now``."""

@@ -22,6 +22,7 @@ from treeserve.actors.messages.length import LengthReport
 from treeserve.actors.messages.speculator import ProposeBody
 from treeserve.actors.messages.verifier import MAX_DECODE_STEPS, RowVerdict
 from treeserve.actors.scheduler.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
+from treeserve.actors.scheduler.preemption import RepeatWatch, predicted_remaining
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorError
@@ -74,7 +75,13 @@ class SchedulerSettings:
     to end: at most about ``decode_ahead_s``. ``max_decode_steps=1`` turns it off. At 32, a
     one-row step of 4.5-5 ms (q4_1, fused blocks, the 2-core AVX2 host) runs 20 a call; the cap
     of 8 it had left batch-1 serving at 0.81-0.83x the in-process rate against 0.88-0.91x
-    (``bench/actors_vs_inprocess.py``, two runs each)."""
+    (``bench/actors_vs_inprocess.py``, two runs each).
+
+    Limited preemption (:mod:`treeserve.actors.scheduler.preemption`): with ``preempt_rows`` > 0
+    the verifier's cache has that many more rows, where preempted requests wait with their K/V
+    kept; a running request with a long predicted remainder yields its row to a queued one
+    predicted far shorter, at most ``max_preemptions`` times and never after its aging deadline.
+    Needs ``ssjf`` or ``hrrn``."""
 
     policy: str = "fcfs"
     max_wait_s: float = 30.0
@@ -85,9 +92,17 @@ class SchedulerSettings:
     max_prefill_tokens: int = 8192
     max_decode_steps: int = 32
     decode_ahead_s: float = 0.1
+    preempt_rows: int = 0
+    max_preemptions: int = 1
 
     def __post_init__(self) -> None:
-        _check_counts(self, ("max_queue", "max_prefill_tokens", "max_decode_steps", "max_predict_batch"))
+        _check_counts(self, ("max_queue", "max_prefill_tokens", "max_decode_steps", "max_predict_batch",
+                             "max_preemptions"))
+        if isinstance(self.preempt_rows, bool) or not isinstance(self.preempt_rows, int) or self.preempt_rows < 0:
+            raise ValueError(f"{type(self).__name__}.preempt_rows must be an int >= 0, got {self.preempt_rows!r}")
+        if self.preempt_rows and not self.uses_predictions:
+            raise ValueError(f"preemption (preempt_rows {self.preempt_rows}) needs a policy that orders by predicted "
+                             f"length ({', '.join(PREDICTION_POLICIES)}), not {self.policy!r}")
         if self.max_decode_steps > MAX_DECODE_STEPS:
             raise ValueError(f"{type(self).__name__}.max_decode_steps must be <= {MAX_DECODE_STEPS}, "
                              f"got {self.max_decode_steps}")
@@ -170,6 +185,9 @@ class RequestState:
     first_token_s: float | None = None
     is_cancelled: bool = False
     stop_after: int | None = None  # a consumer's stop string ended the output after this many tokens
+    is_parked: bool = False  # preempted: its row is a park row, and it queues to resume
+    num_preempted: int = 0
+    repeats: RepeatWatch | None = None  # set while preemption is on: whether the answer loops
 
     @property
     def root(self) -> int:
@@ -179,6 +197,12 @@ class RequestState:
     @property
     def speculates(self) -> bool:
         return self.speculate != SpeculationMode.NONE
+
+    @property
+    def predicted_remaining(self) -> float:
+        """Tokens it is predicted still to write (:func:`~treeserve.actors.scheduler.preemption.predicted_remaining`)."""
+        loop_at = None if self.repeats is None else self.repeats.loop_at
+        return predicted_remaining(len(self.emitted), self.params.max_new_tokens, self.expected_len, loop_at)
 
     @property
     def expected_len(self) -> float | None:
@@ -218,6 +242,16 @@ class Release:
     row: int
     speculates: bool
     new_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move ``request_id``'s cache from row ``src`` to the empty row ``dst`` on every shard: a
+    preempted request parks, or a parked one resumes."""
+
+    request_id: str
+    src: int
+    dst: int
 
 
 @dataclass(frozen=True)
@@ -281,6 +315,7 @@ class StepPlan:
 
     finished: tuple[RequestFinished, ...]  # ended by a stop string since the last step
     releases: tuple[Release, ...]  # those and cancelled requests: release before any prefill
+    moves: tuple[Move, ...]  # a preemption and resumptions, in order: after the releases, before any prefill
     prefill_chunks: tuple[tuple[Admission, ...], ...]
     rows: tuple[RowPlan, ...]  # the verify batch, this step's admissions included
     tree_budget: int  # nodes per row (root included) shared among the speculators
@@ -290,7 +325,7 @@ class StepPlan:
 
     @property
     def is_idle(self) -> bool:
-        return not (self.finished or self.releases or self.prefill_chunks or self.rows)
+        return not (self.finished or self.releases or self.moves or self.prefill_chunks or self.rows)
 
 
 @dataclass(frozen=True)
@@ -344,12 +379,14 @@ class SchedulerStats:
     num_prefill_calls: int = 0
     num_step_faults: int = 0
     num_row_failures: int = 0
+    num_preempted: int = 0  # running requests moved to a park row
+    num_resumed: int = 0  # parked requests moved back
     propose_s: float = 0.0
     verify_s: float = 0.0
 
 
 __all__ = [
-    "Admission", "Event", "LengthReport", "ProposalAsk",
+    "Admission", "Event", "LengthReport", "Move", "ProposalAsk",
     "Release", "RequestFailed", "RequestFinished", "RequestState", "RowPlan", "SchedulerConfig", "SchedulerFault",
     "SchedulerStats", "ServiceUnavailable", "StepEvents", "StepPlan", "StepReplies", "TokensOut",
 ]
