@@ -16,10 +16,11 @@ and the rest of the model is dropped after loading. ``predictor`` is an ``.npz``
 completed requests by :class:`treeserve.ops.length_predictor.OnlineHead` (bounded buffer, a
 ridge re-solve every few requests). Handlers:
 
-* ``predict {"request_id", "prompt_ids"}`` -> ``{"predicted_len": float}``: predicted output
-  tokens (clipped to ``[1, predictor cap]``). The features are kept (at most ``max_pending``
+* ``predict {"request_id", "prompt_ids", "max_tokens"?}`` -> ``{"predicted_len": float}``: predicted output
+  tokens (clipped to ``[1, predictor cap]``; a predictor trained with the cap as a feature reads
+  ``max_tokens``). The features are kept (at most ``max_pending``
   requests, oldest dropped first) until ``observe`` for that request.
-* ``predict_batch {"requests": [{"request_id", "prompt_ids"}, ...]}`` ->
+* ``predict_batch {"requests": [{"request_id", "prompt_ids", "max_tokens"?}, ...]}`` ->
   ``{"predicted_lens": [float, ...]}``: ``predict`` of several requests in one call, their
   ``hidden`` features in padded batched prefills (the scheduler sends the requests that arrived
   while its previous call ran).
@@ -129,7 +130,7 @@ class LengthPredictorActor(Actor):
     async def predict(self, body: Any) -> dict[str, float]:
         """Predicted output tokens of one chat-templated prompt (see the module docstring)."""
         call = PredictBody.from_wire(body, self._vocab_size)
-        value = await self._offload.run(self._predict, call.request_id, list(call.prompt_ids))
+        value = await self._offload.run(self._predict, call.request_id, list(call.prompt_ids), call.max_tokens)
         return PredictReply(value).to_wire()
 
     @handler
@@ -137,7 +138,8 @@ class LengthPredictorActor(Actor):
         """Predicted output tokens of several chat-templated prompts, in order."""
         call = PredictBatchBody.from_wire(body, self._vocab_size)
         values = await self._offload.run(self._predict_many, [r.request_id for r in call.requests],
-                                         [list(r.prompt_ids) for r in call.requests])
+                                         [list(r.prompt_ids) for r in call.requests],
+                                         [r.max_tokens for r in call.requests])
         return PredictBatchReply(tuple(values)).to_wire()
 
     @handler
@@ -157,12 +159,13 @@ class LengthPredictorActor(Actor):
             raise RuntimeError("LengthPredictorActor is not started")
         return self._predictor
 
-    def _predict(self, request_id: str, prompt: list[int]) -> float:
-        return self._predict_many([request_id], [prompt])[0]
+    def _predict(self, request_id: str, prompt: list[int], max_tokens: int | None) -> float:
+        return self._predict_many([request_id], [prompt], [max_tokens])[0]
 
-    def _predict_many(self, request_ids: list[str], prompts: list[list[int]]) -> list[float]:
+    def _predict_many(self, request_ids: list[str], prompts: list[list[int]],
+                      caps: list[int | None]) -> list[float]:
         predictor = self._loaded_predictor()
-        x = predictor.prompt_features_batch(prompts)  # (N, F)
+        x = predictor.prompt_features_batch(prompts, caps)  # (N, F)
         for request_id, row in zip(request_ids, x):
             self._pending[request_id] = row
             self._pending.move_to_end(request_id)

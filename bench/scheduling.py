@@ -76,6 +76,13 @@ from treeserve.actors.scheduler.policy import (
 from treeserve.ops.speculation_modes import SpeculationMode
 
 SJF_ORACLE = "sjf-oracle"
+SJF_INVERTED = "ljf-oracle"
+PREEMPTING = "+preempt"
+SSJF_PREEMPTING = PolicyName.SSJF.value + PREEMPTING
+"""ssjf with limited preemption over ``--preempt-rows`` park rows (the oracles preempt too when
+``--preempt-rows`` is set; ssjf, hrrn and fcfs never do)."""
+"""The control: ssjf over a lookup of *inverted* true lengths, longest job first (a predictor as
+wrong as one can be; the share bar must fail for it)."""
 SSJF_MAX_TOKENS = "ssjf-max-tokens"
 SIMULATED_POLICIES = (*POLICY_NAMES, SJF_ORACLE, SSJF_MAX_TOKENS)
 """What the simulator runs: the server's policies, the oracle bound, and SSJF without a predictor."""
@@ -367,10 +374,12 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
                             verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S,
                                                                    preempt_rows=args.preempt_rows), predictor=str(oracle),
                             online_predictor=False, speculators=() if args.speculate == SpeculationMode.NONE else None)
+    preempts = policy.endswith(PREEMPTING)
+    policy = policy.removesuffix(PREEMPTING)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
                         verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=policy, max_wait_s=args.max_wait_s,
-                                                                   preempt_rows=args.preempt_rows if policy != PolicyName.FCFS.value else 0),
+                                                                   preempt_rows=args.preempt_rows if preempts else 0),
                         predictor=args.predictor,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == SpeculationMode.NONE else None)
@@ -472,19 +481,32 @@ CHAT_TRACE_SETS = ("mtbench", "arenahard", "alpacaeval", "humaneval", "gsm8k")
 multi-category questions, code (HumanEval) and math (GSM8K)."""
 
 
+API_TRACE_SETS = ("synthetic", "synthetic", "synthetic", "mtbench", "arenahard", "alpacaeval", "humaneval", "gsm8k")
+"""The API-style trace mix (``--trace-caps api``): three in eight synthetic prompts (labels, extractions, short
+answers, lists, code, essays: ``bench/data/synthetic.py``), the rest public chat, code and math."""
+
+
 def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.0,
                sets: Sequence[str] = CHAT_TRACE_SETS, max_prompt_tokens: int = 384,
-               tokenizer: Any = None) -> list[dict[str, Any]]:
+               tokenizer: Any = None, caps: str = "fixed") -> list[dict[str, Any]]:
     """``num`` prompts from the held-out test split (``treeserve.training.length_data.is_test_prompt``) of
     ``sets``, as one-turn chat ``messages``, with bursty Gamma arrivals (mean ``rate``/s, CV
     ``cv``). The predictor never trained on them. The sets share ``num`` as evenly as their test
     splits allow (seeded random picks within each), and with ``tokenizer`` prompts longer than
     ``max_prompt_tokens`` chat-templated are skipped (as ``bench/predictor_data.py`` skips them).
-    Prompts of :data:`REFERENCE_SETS` are written by source and hash only (:func:`read_trace`)."""
+    Prompts of :data:`REFERENCE_SETS` are written by source and hash only (:func:`read_trace`).
+    A set named several times gets that many shares. ``caps="api"``: each request's
+    ``max_tokens`` is the one an API client sends for its kind (``bench/data/api_caps.py``)
+    instead of ``max_tokens``."""
     from treeserve.training.length_data import is_test_prompt
+
+    sys.path.insert(0, str(DATA_DIR))
+    from api_caps import api_cap
 
     rng = np.random.default_rng(seed)
     pools: dict[str, list[tuple[str, str]]] = {}
+    weights = {name: sets.count(name) for name in sets}
+    sets = list(dict.fromkeys(sets))
     for name in sets:
         pools[name] = []
         for line in (DATA_DIR / f"{name}.jsonl").read_text(encoding="utf-8").split("\n"):
@@ -503,14 +525,17 @@ def make_trace(num: int, rate: float, max_tokens: int, seed: int, cv: float = 3.
     share = {name: 0 for name in sets}
     while sum(share.values()) < num:  # round robin over the sets that still have prompts
         for name in sets:
-            if sum(share.values()) < num and share[name] < len(pools[name]):
-                share[name] += 1
+            for _ in range(weights[name]):
+                if sum(share.values()) < num and share[name] < len(pools[name]):
+                    share[name] += 1
     picked = [pools[name][i] for name in sets for i in range(share[name])]
     picked = [picked[i] for i in rng.permutation(len(picked))]
     times = arrivals("gamma", rate, num, rng, cv=cv)
     out = []
     for (source, prompt), t in zip(picked, times):
-        entry: dict[str, Any] = {"arrival_s": round(float(t), 3), "max_tokens": max_tokens, "source": source}
+        dataset, _, prompt_id = source.partition("/")
+        cap = api_cap(dataset, prompt_id) if caps == "api" else max_tokens
+        entry: dict[str, Any] = {"arrival_s": round(float(t), 3), "max_tokens": cap, "source": source}
         if source.split("/")[0] in REFERENCE_SETS:
             entry["prompt_sha256"] = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
         else:
@@ -610,6 +635,10 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
     oracle_path = args.oracle_out
     oracle_path.parent.mkdir(parents=True, exist_ok=True)
     write_oracle(args, trace, lengths, oracle_path)
+    lookups = {SJF_ORACLE: oracle_path}
+    if SJF_INVERTED in args.policy:
+        lookups[SJF_INVERTED] = oracle_path.with_name(oracle_path.stem + "_inverted.npz")
+        write_oracle(args, trace, [max(lengths) + 1 - n for n in lengths], lookups[SJF_INVERTED])
     labels = (["burst"] if args.burst else []) + [f"load {x:g}" for x in args.at_load]
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for repeat in range(args.repeats):
@@ -624,7 +653,7 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
                     continue
                 _log(f"round {repeat + 1}/{args.repeats}, {label}: {policy} (load average {_loadavg()})")
                 results[policy] = asyncio.run(replay(args, entries, policy,
-                                                     oracle_path if policy == SJF_ORACLE else None))
+                                                     lookups.get(policy)))
                 preemptions[policy] = SERVER_COUNTS.get("num_preempted", 0)
                 _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
             results = {p: results[p] for p in args.policy}  # table order: as asked
@@ -743,7 +772,7 @@ def _load_latency(args: argparse.Namespace) -> LatencyModel:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
     parser.add_argument("--trace", type=Path, default=DATA_DIR / "trace_chat512.jsonl")
-    parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SJF_ORACLE],
+    parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SSJF_PREEMPTING, SJF_ORACLE, SJF_INVERTED],
                         help=f"default: fcfs ssjf (fcfs ssjf hrrn {SJF_ORACLE} with --burst / --at-load); "
                              f"{SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load or --simulate")
     parser.add_argument("--burst", action="store_true",
@@ -774,15 +803,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="known-load mode: run every row and policy this many times, interleaved (repeat r "
                              "runs each row's policies in an order rotated by r); tables show medians")
     parser.add_argument("--preempt-rows", type=int, default=0,
-                        help="limited preemption for every policy but fcfs (the oracle too): park rows (0: off)")
+                        help=f"park rows of limited preemption, for {SSJF_PREEMPTING} and the oracles (0: off)")
     parser.add_argument("--predictor", default=None, help="length predictor .npz (default: the shipped one)")
     parser.add_argument("--no-online-predictor", action="store_true", help="do not refine the predictor online")
     parser.add_argument("--make-trace", type=Path, default=None,
                         help="write a trace of --num-jobs test-split prompts of --trace-sets here and exit")
     parser.add_argument("--trace-rate", type=float, default=1.0, help="mean arrivals/s of --make-trace")
     parser.add_argument("--trace-max-tokens", type=int, default=512)
-    parser.add_argument("--trace-sets", nargs="+", default=list(CHAT_TRACE_SETS),
-                        help="prompt sets of --make-trace (their test splits; shared evenly)")
+    parser.add_argument("--trace-sets", nargs="+", default=None,
+                        help="prompt sets of --make-trace (their test splits; shared evenly, a set named twice "
+                             "gets two shares; default: the chat mix, or the API mix with --trace-caps api)")
+    parser.add_argument("--trace-caps", choices=["fixed", "api"], default="fixed",
+                        help="--make-trace's max_tokens: --trace-max-tokens for all, or each prompt's API cap "
+                             "(bench/data/api_caps.py)")
     parser.add_argument("--calibrate", action="store_true", help="measure the latency model on the real server")
     parser.add_argument("--calibrate-tokens", type=int, default=64)
     parser.add_argument("--latency-model", type=Path, default=None, help="JSON written by --calibrate")
@@ -808,14 +841,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policy is None:
         args.policy = ([PolicyName.FCFS.value, PolicyName.SSJF.value, PolicyName.HRRN.value, SJF_ORACLE] if known_load
                        else [PolicyName.FCFS.value, PolicyName.SSJF.value])
+    if SSJF_PREEMPTING in args.policy and not (known_load and args.preempt_rows > 0):
+        parser.error(f"--policy {SSJF_PREEMPTING} needs --preempt-rows N and --burst / --at-load")
+    if SJF_INVERTED in args.policy and not known_load:
+        parser.error(f"--policy {SJF_INVERTED} needs the true lengths of a first pass: --burst / --at-load")
     if SJF_ORACLE in args.policy and not (args.simulate or known_load):
         parser.error(f"--policy {SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load, or --simulate")
     out: dict[str, Any] = {}
     if args.make_trace is not None:
         from treeserve.models import load_model
 
+        sets = args.trace_sets or (API_TRACE_SETS if args.trace_caps == "api" else CHAT_TRACE_SETS)
         entries = make_trace(args.num_jobs, args.trace_rate, args.trace_max_tokens, args.seed,
-                             sets=args.trace_sets, tokenizer=load_model(args.model).tokenizer)
+                             sets=sets, tokenizer=load_model(args.model).tokenizer, caps=args.trace_caps)
         args.make_trace.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
         _log(f"wrote {len(entries)} requests to {args.make_trace}")
         return 0

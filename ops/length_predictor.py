@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from treeserve.ops.model import Transformer
 
 FEATURE_KINDS = ("hidden", "tokens", "prompt_len", "lookup")
-HEADS = ("ridge", "rank", "ordinal")
+HEADS = ("ridge", "rank", "ordinal", "listmle")
 DEFAULT_PREDICTOR_FILE = "data/predictor_smollm2-135m-instruct.npz"
 BUCKET_EDGES = (64, 128, 256, 512)
 """Bucket ``i`` holds lengths in ``[edges[i-1], edges[i])``; the last bucket is ``>= 512`` (capped)."""
@@ -61,11 +61,13 @@ class PredictorError(ValueError):
 @dataclass(frozen=True)
 class FeatureSpec:
     """Which features a predictor reads: ``kind`` in :data:`FEATURE_KINDS`; ``num_layers``
-    (blocks of the served model, ``hidden`` only); ``num_buckets`` (hash buckets, ``tokens`` only)."""
+    (blocks of the served model, ``hidden`` only); ``num_buckets`` (hash buckets, ``tokens`` only);
+    ``with_cap``: the request's ``max_tokens`` is a feature too (:func:`cap_features`, appended)."""
 
     kind: str = "hidden"
     num_layers: int = 4
     num_buckets: int = 1024
+    with_cap: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FEATURE_KINDS:
@@ -91,6 +93,19 @@ def prompt_key(prompt_ids: Sequence[int]) -> float:
 
 
 # ---------------------------------------------------------------------------------- features
+CAP_KNOTS = (16, 64, 256, 1024)
+"""Knots of :func:`cap_features`: the cap's log enters piecewise, so a linear head can say that an
+8-token cap fixes the answer's length while a 1,024-token one barely bounds it."""
+
+
+def cap_features(max_tokens: int) -> np.ndarray:
+    """The request's ``max_tokens`` as features: ``log1p(min(max_tokens, knot))`` for each of
+    :data:`CAP_KNOTS` (``(len(CAP_KNOTS),)``)."""
+    if max_tokens < 1:
+        raise PredictorError(f"max_tokens must be >= 1, got {max_tokens}")
+    return np.array([math.log1p(min(max_tokens, knot)) for knot in CAP_KNOTS])
+
+
 def token_features(prompt_ids: Sequence[int], num_buckets: int) -> np.ndarray:
     """Hashed set of token ids (1.0 where some prompt id hashes, ``(num_buckets,)``) then ``log1p(len)``.
 
@@ -169,13 +184,17 @@ def padded_batches(lengths: Sequence[int], max_padding: float = 0.25) -> list[li
     return groups
 
 
-def features_batch(spec: FeatureSpec, prompts: Sequence[Sequence[int]], model: Transformer | None = None) -> np.ndarray:
-    """:func:`features` of several prompts ``(N, F)``; ``hidden`` ones run in padded prefills of
-    similar lengths (:func:`padded_batches`), not one prefill per prompt."""
+def features_batch(spec: FeatureSpec, prompts: Sequence[Sequence[int]], model: Transformer | None = None,
+                   caps: Sequence[int] | None = None) -> np.ndarray:
+    """:func:`features` of several prompts ``(N, F)`` (``caps``: each request's ``max_tokens``,
+    read by a ``with_cap`` spec); ``hidden`` ones run in padded prefills of similar lengths
+    (:func:`padded_batches`), not one prefill per prompt."""
     if not prompts:
         raise PredictorError("features_batch needs at least one prompt")
+    if caps is not None and len(caps) != len(prompts):
+        raise PredictorError(f"{len(caps)} caps for {len(prompts)} prompts")
     if spec.kind != "hidden" or len(prompts) == 1:
-        return np.stack([features(spec, p, model) for p in prompts])
+        return np.stack([features(spec, p, model, None if caps is None else caps[i]) for i, p in enumerate(prompts)])
     if any(not p for p in prompts):
         raise PredictorError("prompt_ids must not be empty")
     _check_hidden_model(spec, model)
@@ -183,8 +202,17 @@ def features_batch(spec: FeatureSpec, prompts: Sequence[Sequence[int]], model: T
     rows: dict[int, np.ndarray] = {}
     for group in padded_batches([len(p) for p in prompts]):
         for i, hidden in zip(group, prompt_hidden_batch(model, [prompts[i] for i in group])):
-            rows[i] = pooled_hidden_features(hidden)
+            rows[i] = with_cap_features(spec, pooled_hidden_features(hidden), None if caps is None else caps[i])
     return np.stack([rows[i] for i in range(len(prompts))])
+
+
+def with_cap_features(spec: FeatureSpec, x: np.ndarray, max_tokens: int | None) -> np.ndarray:
+    """``x`` with :func:`cap_features` appended when ``spec.with_cap`` (``max_tokens`` is then required)."""
+    if not spec.with_cap:
+        return x
+    if max_tokens is None:
+        raise PredictorError("this predictor reads the request's max_tokens: pass it")
+    return np.concatenate([x, cap_features(max_tokens)])
 
 
 def _check_hidden_model(spec: FeatureSpec, model: Transformer | None) -> None:
@@ -195,19 +223,23 @@ def _check_hidden_model(spec: FeatureSpec, model: Transformer | None) -> None:
                              f"got {model.config.num_layers} layers (use model.truncated({spec.num_layers}))")
 
 
-def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None) -> np.ndarray:
-    """The feature vector of one prompt under ``spec`` (``model``: the truncated model for ``hidden``)."""
+def features(spec: FeatureSpec, prompt_ids: Sequence[int], model: Transformer | None = None,
+             max_tokens: int | None = None) -> np.ndarray:
+    """The feature vector of one prompt under ``spec`` (``model``: the truncated model for
+    ``hidden``; ``max_tokens``: the request's cap, read by a ``with_cap`` spec)."""
     if not prompt_ids:
         raise PredictorError("prompt_ids must not be empty")
     if spec.kind == "prompt_len":
-        return np.array([math.log1p(len(prompt_ids))])
-    if spec.kind == "tokens":
-        return token_features(prompt_ids, spec.num_buckets)
-    if spec.kind == "lookup":
+        x = np.array([math.log1p(len(prompt_ids))])
+    elif spec.kind == "tokens":
+        x = token_features(prompt_ids, spec.num_buckets)
+    elif spec.kind == "lookup":
         return np.array([prompt_key(prompt_ids)])
-    _check_hidden_model(spec, model)
-    assert model is not None
-    return pooled_hidden_features(prompt_hidden(model, prompt_ids))
+    else:
+        _check_hidden_model(spec, model)
+        assert model is not None
+        x = pooled_hidden_features(prompt_hidden(model, prompt_ids))
+    return with_cap_features(spec, x, max_tokens)
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -312,27 +344,34 @@ class Predictor:
             self._truncated = model.truncated(self.spec.num_layers)
         return self
 
-    def predict_from_prompt_ids(self, prompt_ids: Sequence[int], model: Transformer | None = None) -> float:
-        """Predicted output tokens of one prompt (chat-templated ids, as the scheduler sees them).
+    def predict_from_prompt_ids(self, prompt_ids: Sequence[int], model: Transformer | None = None,
+                                max_tokens: int | None = None) -> float:
+        """Predicted output tokens of one prompt (chat-templated ids, as the scheduler sees them)
+        asked for at most ``max_tokens`` (a ``with_cap`` predictor reads it; None: its own cap).
 
         ``hidden`` predictors need the served model: pass it here or :meth:`bind` it once.
         """
         truncated = self._truncated
         if self.spec.needs_model and model is not None:
             truncated = model.truncated(self.spec.num_layers)
-        value = self.predict_features(features(self.spec, prompt_ids, truncated))
+        value = self.predict_features(features(self.spec, prompt_ids, truncated, self._cap(max_tokens)))
         assert isinstance(value, float)
         return value
 
     predict = predict_from_prompt_ids
 
-    def prompt_features(self, prompt_ids: Sequence[int]) -> np.ndarray:
+    def prompt_features(self, prompt_ids: Sequence[int], max_tokens: int | None = None) -> np.ndarray:
         """The feature vector of one prompt (``hidden`` predictors need :meth:`bind` first)."""
-        return features(self.spec, prompt_ids, self._truncated)
+        return features(self.spec, prompt_ids, self._truncated, self._cap(max_tokens))
 
-    def prompt_features_batch(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    def prompt_features_batch(self, prompts: Sequence[Sequence[int]],
+                              caps: Sequence[int | None] | None = None) -> np.ndarray:
         """:meth:`prompt_features` of several prompts ``(N, F)``, in padded batched prefills."""
-        return features_batch(self.spec, prompts, self._truncated)
+        filled = [self._cap(c) for c in caps] if caps is not None else [self.max_tokens] * len(prompts)
+        return features_batch(self.spec, prompts, self._truncated, filled)
+
+    def _cap(self, max_tokens: int | None) -> int:
+        return self.max_tokens if max_tokens is None else int(max_tokens)
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (float32 arrays + a JSON metadata string; loadable without pickle)."""

@@ -217,6 +217,28 @@ def test_the_shipped_trace_is_chat_from_the_test_split_with_no_restricted_text()
             assert dataset in sched.TRACE_SETS and e["messages"][0]["role"] == "user"
 
 
+API_TRACE = SCHEDULING_PY.parent / "data" / "trace_api.jsonl"
+
+
+def test_the_api_trace_carries_each_prompts_api_cap_from_the_test_split() -> None:
+    from treeserve.training.length_data import is_test_prompt
+
+    caps = load_script("treeserve_bench_api_caps", SCHEDULING_PY.parent / "data" / "api_caps.py")
+    KIND_CAPS, api_cap, kind_of = caps.KIND_CAPS, caps.api_cap, caps.kind_of
+
+    trace = sched.read_trace(API_TRACE, resolve=False)
+    assert len(trace) >= 40 and min(e["max_tokens"] for e in trace) <= 16 and max(e["max_tokens"] for e in trace) == 1024
+    assert {e["source"].split("/")[0] for e in trace} == set(sched.API_TRACE_SETS)
+    for e in trace:
+        dataset, _, prompt_id = e["source"].partition("/")
+        assert is_test_prompt(dataset, prompt_id), e["source"]
+        assert e["max_tokens"] == api_cap(dataset, prompt_id) and e["max_tokens"] in KIND_CAPS[kind_of(dataset, prompt_id)]
+        if dataset in sched.REFERENCE_SETS:
+            assert "messages" not in e and "prompt" not in e
+    # The cap is a pure function of the id: the same prompt always gets the same cap.
+    assert api_cap("synthetic", "synthetic/oneword/3") == api_cap("synthetic", "synthetic/oneword/3") in (8, 16)
+
+
 def test_trace_entries_by_reference_resolve_from_the_fetched_set_and_check_the_hash(tmp_path: Path) -> None:
     import hashlib
 

@@ -1,7 +1,8 @@
 """The length predictor's trained heads beyond ridge regression, fit offline only: ``rank``
-(:func:`fit_rank_predictor`: the ridge solution refined by a pairwise ranking loss) and
+(:func:`fit_rank_predictor`: the ridge solution refined by a pairwise ranking loss),
+``listmle`` (:func:`fit_listmle_predictor`: the listwise ranking loss of vllm-ltr) and
 ``ordinal`` (:func:`fit_ordinal_predictor`: cumulative-link scores over length buckets). The
-server loads either as a :class:`~treeserve.ops.length_predictor.Predictor`."""
+server loads any of them as a :class:`~treeserve.ops.length_predictor.Predictor`."""
 
 from __future__ import annotations
 
@@ -167,3 +168,57 @@ def fit_ordinal_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec,
     order = np.random.default_rng(seed).permutation(y.size)
     return _tuned_head(ridge, z, lengths, l2, fit, order, spec, max_tokens,
                        {"num_steps": num_steps, "bucket_edges": list(edges)}, "ordinal")
+
+
+def listmle_loss(scores: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean listMLE loss of lists of ``scores`` ``(B, K)``, each row already in the true order
+    (longest first), and its gradient.
+
+    The Plackett-Luce likelihood of that order: the longest job is drawn first with probability
+    ``softmax(s)`` over the whole list, the next from the rest, and so on; the loss is
+    ``sum_i logsumexp(s[i:]) - s[i]`` per list, averaged over lists.
+    """
+    shifted = scores - scores.max(axis=1, keepdims=True)
+    tail = np.logaddexp.accumulate(shifted[:, ::-1], axis=1)[:, ::-1]  # (B, K): logsumexp(s[i:])
+    loss = float((tail - shifted).sum(axis=1).mean())
+    # d/ds_p: sum over draws i <= p of softmax_i(p), less 1 for its own draw.
+    grad = np.exp(shifted) * np.cumsum(np.exp(-tail), axis=1) - 1.0
+    return loss, grad / scores.shape[0]
+
+
+def fit_listmle_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
+                          l2: Sequence[float] = (0.1, 1.0, 10.0), num_steps: int = 300, lr: float = 0.02,
+                          list_size: int = 32, lists_per_step: int = 64, seed: int = 0) -> Predictor:
+    """A ``listmle`` head: the ridge head of :func:`fit_predictor`, refined by Adam on
+    :func:`listmle_loss` over random lists of ``list_size`` examples (``lists_per_step`` lists a
+    step, ties in length broken at random, plus ``l2 * |w - w_ridge|^2``), then rescaled by least
+    squares so that the score estimates ``log1p(length)`` (the order is unchanged). The L2
+    strength is chosen on an inner 80/20 split by Kendall's tau. Each step costs
+    ``O(lists_per_step * list_size * F)``, whatever the number of examples.
+    """
+    x, lengths = np.asarray(x, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
+    ridge = fit_predictor(x, lengths, spec, max_tokens, seed=seed)
+    z = (x - ridge.mean) / ridge.scale
+    y = np.log1p(lengths)
+    rng = np.random.default_rng(seed)
+
+    def refine(idx: np.ndarray, strength: float) -> np.ndarray:
+        w0 = ridge.weights.copy()
+        w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+        size = min(list_size, idx.size)
+        for step in range(1, num_steps + 1):
+            picks = np.stack([rng.choice(idx, size, replace=False) for _ in range(lists_per_step)])  # (B, K)
+            jitter = rng.random(picks.shape)  # random order among equal lengths
+            order = np.lexsort((jitter, -y[picks]), axis=1)  # longest first
+            lists = np.take_along_axis(picks, order, axis=1)
+            zs = z[lists]  # (B, K, F)
+            _, grad_s = listmle_loss(zs @ w)
+            grad = np.einsum("bk,bkf->f", grad_s, zs) + 2.0 * strength * (w - w0)
+            m = 0.9 * m + 0.1 * grad
+            v = 0.999 * v + 0.001 * grad**2
+            w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+        return w
+
+    order = rng.permutation(y.size)
+    return _tuned_head(ridge, z, lengths, l2, refine, order, spec, max_tokens,
+                       {"num_steps": num_steps, "list_size": list_size}, "listmle")

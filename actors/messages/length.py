@@ -15,19 +15,27 @@ from treeserve.actors.model_host import check_body, check_int
 
 @dataclass(frozen=True)
 class PredictBody:
-    """``predict {"request_id", "prompt_ids"}``: the predicted output length of one prompt."""
+    """``predict {"request_id", "prompt_ids", "max_tokens"?}``: the predicted output length of one
+    prompt asked for at most ``max_tokens`` tokens (a predictor that reads the cap needs it;
+    absent: the predictor's own cap)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
+    max_tokens: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids)}
+        body: dict[str, Any] = {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids)}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        return body
 
     @classmethod
     def from_wire(cls, body: Any, vocab_size: int) -> PredictBody:
-        body = check_body(body, ("request_id", "prompt_ids"))
+        body = check_body(body, ("request_id", "prompt_ids"), optional=("max_tokens",))
+        max_tokens = body.get("max_tokens")
         return cls(check_request_id(body["request_id"]),
-                   check_token_ids(body["prompt_ids"], "prompt_ids", vocab_size, non_empty=True))
+                   check_token_ids(body["prompt_ids"], "prompt_ids", vocab_size, non_empty=True),
+                   None if max_tokens is None else check_int(max_tokens, "max_tokens", minimum=1))
 
 
 @dataclass(frozen=True)

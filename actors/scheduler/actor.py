@@ -191,7 +191,8 @@ class SchedulerActor(Actor):
         """Ask the predictor for ``batch`` and re-key those still queued; on a failure they keep
         their keys (``max_tokens``) and serving goes on."""
         assert self.predictor is not None
-        body = PredictBatchBody(tuple(PredictBody(r.request_id, tuple(r.prompt_ids)) for r in batch))
+        body = PredictBatchBody(tuple(PredictBody(r.request_id, tuple(r.prompt_ids), r.params.max_new_tokens)
+                                      for r in batch))
         try:
             reply = await self.predictor.ask("predict_batch", body.to_wire(), timeout=self.config.predict_timeout_s)
             values = PredictBatchReply.from_wire(reply, len(batch)).predicted_lens

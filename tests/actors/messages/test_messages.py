@@ -166,7 +166,11 @@ def test_the_small_bodies_round_trip() -> None:
     with pytest.raises(ValueError):
         RequestRelease.from_wire({"request_id": "g", "new_tokens": [VOCAB]}, VOCAB)
     assert PredictBody.from_wire(through_codec(PredictBody("g", (1, 2)).to_wire()), VOCAB) == PredictBody("g", (1, 2))
-    batch = PredictBatchBody((PredictBody("g", (1, 2)), PredictBody("h", (3,))))
+    capped = PredictBody("g", (1, 2), max_tokens=16)  # a predictor that reads the cap gets it
+    assert PredictBody.from_wire(through_codec(capped.to_wire()), VOCAB) == capped
+    with pytest.raises(ValueError, match="max_tokens"):
+        PredictBody.from_wire({"request_id": "g", "prompt_ids": [1], "max_tokens": 0}, VOCAB)
+    batch = PredictBatchBody((PredictBody("g", (1, 2)), PredictBody("h", (3,), max_tokens=8)))
     assert PredictBatchBody.from_wire(through_codec(batch.to_wire()), VOCAB) == batch
     assert PredictBatchReply.from_wire(through_codec({"predicted_lens": [3, 4.5]}), 2) == PredictBatchReply((3.0, 4.5))
 
