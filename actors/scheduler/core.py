@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +40,8 @@ from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
 from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
-from treeserve.actors.scheduler.preemption import RepeatWatch, may_preempt
+from treeserve.actors.scheduler.preemption import RepeatWatch, pick_victim
+from treeserve.actors.scheduler.prefill import prefill_chunks
 from treeserve.actors.scheduler.types import Admission, Event, LengthReport, Move, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
 from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.ops.speculative import FinishReason, emit_until_done
@@ -49,29 +50,6 @@ from treeserve.runtime import ActorError
 from treeserve.transport.wire import ErrorCode
 
 log = logging.getLogger(__name__)
-
-
-class _HasPrompt(Protocol):
-    @property
-    def prompt_ids(self) -> Sequence[int]: ...
-
-
-_P = TypeVar("_P", bound=_HasPrompt)
-
-
-def prefill_chunks(requests: Sequence[_P], max_tokens: int) -> list[list[_P]]:
-    """Consecutive runs of ``requests`` whose prompts total at most ``max_tokens`` (a longer
-    prompt runs alone)."""
-    chunks: list[list[_P]] = []
-    total = 0
-    for req in requests:
-        if chunks and total + len(req.prompt_ids) <= max_tokens:
-            chunks[-1].append(req)
-            total += len(req.prompt_ids)
-        else:
-            chunks.append([req])
-            total = len(req.prompt_ids)
-    return chunks
 
 
 # ---------------------------------------------------------------------- the core
@@ -91,8 +69,7 @@ class SchedulerCore:
         self._policy = config.make_policy()
         self._requests: dict[str, RequestState] = {}  # open: queued or running
         self._running: dict[str, RequestState] = {}  # holding a row (parked ones too), in admission order
-        self._free_rows = list(range(config.num_rows))
-        self._free_park_rows = list(range(config.num_rows, config.num_rows + config.preempt_rows))
+        self._reset_rows()  # every running row and park row free
         self._plain_step_s: float | None = None  # one plain decode step's time, last measured
         self._adaptive: AdaptiveSpeculation | None = None
         if config.adaptive_speculation and num_speculators:
@@ -381,17 +358,11 @@ class SchedulerCore:
         head = self._policy.peek(now)
         if head is None or self._requests[head.request_id].is_parked:
             return []
-        head_len = head.predicted_service
-        candidates = [r for r in self._running.values()
-                      if not (r.is_parked or r.is_cancelled or r.stop_after is not None or not r.emitted)
-                      and may_preempt(r.predicted_remaining, head_len, r.num_preempted, self.config.max_preemptions)]
-        is_promoted = getattr(self._policy, "is_promoted", None)
-        if is_promoted is not None:
-            candidates = [r for r in candidates if not is_promoted(self._queued(r), now)]
-        if not candidates:
+        is_promoted = getattr(self._policy, "is_promoted", lambda _request, _now: False)
+        victim = pick_victim(self._running.values(), head.predicted_service, self.config.max_preemptions,
+                             lambda r: bool(is_promoted(self._queued(r), now)))
+        if victim is None or victim.row is None:
             return []
-        victim = max(candidates, key=lambda r: r.predicted_remaining)
-        assert victim.row is not None
         self._free_park_rows.sort(reverse=True)
         move = Move(victim.request_id, victim.row, self._free_park_rows.pop())
         self._free_rows.append(victim.row)

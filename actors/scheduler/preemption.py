@@ -42,7 +42,8 @@ preempted at most ``max_preemptions`` times, never after its deadline).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 LOOP_NGRAM = 24
 """Tokens in a run whose repetition flags a looping answer (see the module docstring)."""
@@ -98,4 +99,32 @@ def may_preempt(remaining: float, head_len: float, num_preempted: int, max_preem
             and remaining >= PREEMPT_RATIO * head_len)
 
 
-__all__ = ["LOOP_NGRAM", "MIN_REMAINING_TOKENS", "PREEMPT_RATIO", "RepeatWatch", "may_preempt", "predicted_remaining"]
+class Preemptible(Protocol):
+    """What :func:`pick_victim` reads of a running request (a scheduler ``RequestState``)."""
+
+    is_parked: bool
+    is_cancelled: bool
+    stop_after: int | None
+    emitted: list[int]
+    num_preempted: int
+
+    @property
+    def predicted_remaining(self) -> float: ...
+
+
+_R = TypeVar("_R", bound=Preemptible)
+
+
+def pick_victim(running: Iterable[_R], head_len: float, max_preemptions: int,
+                is_promoted: Callable[[_R], bool]) -> _R | None:
+    """The running request to park for a queued one predicted at ``head_len`` tokens (None: no
+    request may yield): of those that run (not parked, cancelled or stopped), have streamed a
+    token, pass :func:`may_preempt` and are not promoted, the one predicted to need the most."""
+    candidates = [r for r in running
+                  if not (r.is_parked or r.is_cancelled or r.stop_after is not None or not r.emitted)
+                  and may_preempt(r.predicted_remaining, head_len, r.num_preempted, max_preemptions)
+                  and not is_promoted(r)]
+    return max(candidates, key=lambda r: r.predicted_remaining, default=None)
+
+
+__all__ = ["LOOP_NGRAM", "MIN_REMAINING_TOKENS", "PREEMPT_RATIO", "Preemptible", "RepeatWatch", "may_preempt", "pick_victim", "predicted_remaining"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from treeserve.actors.scheduler import core as core_module
+from treeserve.actors.scheduler import preemption as preemption_module
 from treeserve.actors.scheduler.core import SchedulerCore
 from treeserve.actors.scheduler.preemption import LOOP_NGRAM, RepeatWatch, predicted_remaining
 from treeserve.actors.scheduler.types import Move, RequestFinished, SchedulerConfig, StepPlan
@@ -205,7 +205,7 @@ def test_a_preempted_request_still_meets_the_aging_bound() -> None:
 def test_the_bound_check_fails_for_preemption_that_restarts_the_aging_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug the rules exclude: a preempted request queued as a new arrival, preempted without
     limit and whatever its deadline. It then starves behind the stream, and the same check catches it."""
-    monkeypatch.setattr(core_module, "may_preempt", lambda remaining, head_len, count, limit: remaining >= 2 * head_len)
+    monkeypatch.setattr(preemption_module, "may_preempt", lambda remaining, head_len, count, limit: remaining >= 2 * head_len)
     core = make_core(max_wait_s=MAX_WAIT_S)
     add = core._policy.add
 
