@@ -20,7 +20,7 @@ and a loop shows in the tokens: :class:`RepeatWatch` flags a request once a run 
 tokens, median 109; 3 of the 16 others, all longer than 150 tokens). A flagged request is
 expected to run to its cap; an unflagged one to its prediction (or hint, or cap).
 
-The rules (:func:`may_preempt`). At most one request is preempted per plan, and only when every
+The rules (:func:`pick_victim`, :func:`may_preempt`). At most one request is preempted per plan, and only when every
 running row is taken and a park row is free. The victim is the running request with the longest
 predicted remainder among those that:
 
@@ -54,7 +54,8 @@ PREEMPT_RATIO = 2.0
 
 
 class RepeatWatch:
-    """Whether an answer has repeated a run of ``ngram`` tokens, fed as it grows: O(1) a token.
+    """Whether an answer has repeated a run of ``ngram`` tokens, fed as it grows: one set lookup a
+    token (the runs seen so far are kept until the first repeat).
 
     ``loop_at`` is the answer length at which the first repeated run ended (None: no repeat yet).
     """
