@@ -60,6 +60,19 @@ def _tuned_head(ridge: Predictor, z: np.ndarray, lengths: np.ndarray, l2: Sequen
     return Predictor(spec, ridge.mean, ridge.scale, slope * w, intercept, max_tokens, full_meta, head=head)
 
 
+def _adam_toward(w0: np.ndarray, loss_grad: Callable[[np.ndarray], np.ndarray], strength: float,
+                 num_steps: int, lr: float) -> np.ndarray:
+    """``num_steps`` of Adam from ``w0`` on a loss whose gradient at ``w`` is ``loss_grad(w)``, plus
+    ``strength * |w - w0|^2`` (what the ``rank`` and ``listmle`` heads refine the ridge weights by)."""
+    w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    for step in range(1, num_steps + 1):
+        grad = loss_grad(w) + 2.0 * strength * (w - w0)
+        m = 0.9 * m + 0.1 * grad
+        v = 0.999 * v + 0.001 * grad**2
+        w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    return w
+
+
 def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
                        l2: Sequence[float] = (0.1, 1.0, 10.0), num_steps: int = 150, lr: float = 0.05,
                        max_pairs_n: int = 3000, seed: int = 0) -> Predictor:
@@ -77,17 +90,10 @@ def fit_rank_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, ma
     rng = np.random.default_rng(seed)
 
     def refine(idx: np.ndarray, strength: float) -> np.ndarray:
-        w0 = ridge.weights.copy()
-        w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
         sub = idx if idx.size <= max_pairs_n else rng.choice(idx, max_pairs_n, replace=False)
         zs, ys = z[sub], y[sub]
-        for step in range(1, num_steps + 1):
-            _, grad_s = pairwise_rank_loss(zs @ w, ys)
-            grad = zs.T @ grad_s + 2.0 * strength * (w - w0)
-            m = 0.9 * m + 0.1 * grad
-            v = 0.999 * v + 0.001 * grad**2
-            w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
-        return w
+        return _adam_toward(ridge.weights.copy(), lambda w: zs.T @ pairwise_rank_loss(zs @ w, ys)[1],
+                            strength, num_steps, lr)
 
     order = rng.permutation(y.size)
     return _tuned_head(ridge, z, lengths, l2, refine, order, spec, max_tokens, {"num_steps": num_steps}, "rank")
@@ -203,21 +209,17 @@ def fit_listmle_predictor(x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec,
     rng = np.random.default_rng(seed)
 
     def refine(idx: np.ndarray, strength: float) -> np.ndarray:
-        w0 = ridge.weights.copy()
-        w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
         size = min(list_size, idx.size)
-        for step in range(1, num_steps + 1):
+
+        def loss_grad(w: np.ndarray) -> np.ndarray:
             picks = np.stack([rng.choice(idx, size, replace=False) for _ in range(lists_per_step)])  # (B, K)
             jitter = rng.random(picks.shape)  # random order among equal lengths
             order = np.lexsort((jitter, -y[picks]), axis=1)  # longest first
-            lists = np.take_along_axis(picks, order, axis=1)
-            zs = z[lists]  # (B, K, F)
+            zs = z[np.take_along_axis(picks, order, axis=1)]  # (B, K, F)
             _, grad_s = listmle_loss(zs @ w)
-            grad = np.einsum("bk,bkf->f", grad_s, zs) + 2.0 * strength * (w - w0)
-            m = 0.9 * m + 0.1 * grad
-            v = 0.999 * v + 0.001 * grad**2
-            w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
-        return w
+            return np.einsum("bk,bkf->f", grad_s, zs)
+
+        return _adam_toward(ridge.weights.copy(), loss_grad, strength, num_steps, lr)
 
     order = rng.permutation(y.size)
     return _tuned_head(ridge, z, lengths, l2, refine, order, spec, max_tokens,

@@ -13,12 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, Completion
-from treeserve.ops.length_predictor import FeatureSpec, fit_predictor, load_predictor
+from treeserve.ops.length_predictor import load_predictor
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by conftest.py
@@ -35,13 +34,8 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def predictor_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    lengths = np.array([20, 20, 19, 21, 4, 3, 4, 5], dtype=np.float64)
-    prompt_lens = np.array([2, 3, 3, 4, 20, 24, 28, 30], dtype=np.float64)
-    x = np.log1p(prompt_lens)[:, None]
-    predictor = fit_predictor(x, lengths, FeatureSpec("prompt_len"), PREDICTOR_CAP, alphas=(1e-3,), num_folds=2)
-    path = tmp_path_factory.mktemp("predictor") / "tiny.npz"
-    predictor.save(path)
-    return path
+    return tiny.write_prompt_len_predictor(tmp_path_factory.mktemp("predictor") / "tiny.npz",
+                                           [2, 3, 3, 4, 20, 24, 28, 30], [20, 20, 19, 21, 4, 3, 4, 5], PREDICTOR_CAP)
 
 
 def config(folder: Path, predictor: Path, scheduler: str) -> ServerConfig:

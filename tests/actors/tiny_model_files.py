@@ -10,6 +10,7 @@ Not a test module (no ``test_`` prefix): import it by path from tests.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,17 @@ def write_tiny_hf_model(folder: str | Path, seed: int = 0, **overrides: Any) -> 
     settings = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False}
     (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
     return folder
+
+
+def write_prompt_len_predictor(path: Path, prompt_lens: Sequence[int], lengths: Sequence[float], cap: int) -> Path:
+    """Fit a ``prompt_len`` length predictor on (prompt length, answer length) pairs, so a test
+    knows which prompts it predicts long; save it to ``path`` and return that."""
+    import numpy as np
+
+    from treeserve.ops.length_predictor import FeatureSpec, fit_predictor
+
+    x = np.log1p(np.asarray(prompt_lens, dtype=np.float64))[:, None]
+    predictor = fit_predictor(x, np.asarray(lengths, dtype=np.float64), FeatureSpec("prompt_len"), cap,
+                              alphas=(1e-3,), num_folds=2)
+    predictor.save(path)
+    return path

@@ -16,19 +16,12 @@ import pytest
 from treeserve.actors.scheduler import preemption as preemption_module
 from treeserve.actors.scheduler.core import SchedulerCore
 from treeserve.actors.scheduler.preemption import LOOP_NGRAM, RepeatWatch, predicted_remaining
-from treeserve.actors.scheduler.types import Move, RequestFinished, SchedulerConfig, StepPlan
+from treeserve.actors.scheduler.types import Move, RequestFinished, SchedulerConfig
 from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.speculation_modes import SpeculationMode
 
-import importlib.util
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location("_core_helpers", Path(__file__).with_name("test_scheduler_core.py"))
-assert _spec is not None and _spec.loader is not None
-_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_helpers)
-verify, admitted = _helpers.verify, _helpers.admitted
+from treeserve_testing.core_steps import admitted, verify
 
 EOS = 2
 CYCLE = [10 + i for i in range(LOOP_NGRAM)]  # an answer that repeats this loops at 2 * LOOP_NGRAM tokens

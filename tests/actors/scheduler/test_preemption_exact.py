@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client
-from treeserve.ops.length_predictor import FeatureSpec, fit_predictor
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by tests/actors/conftest.py
@@ -33,13 +31,8 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def predictor_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    lengths = np.array([190, 200, 180, 200, 4, 3, 4, 5], dtype=np.float64)
-    prompt_lens = np.array([2, 3, 3, 4, 20, 24, 28, 30], dtype=np.float64)
-    predictor = fit_predictor(np.log1p(prompt_lens)[:, None], lengths, FeatureSpec("prompt_len"), 200,
-                              alphas=(1e-3,), num_folds=2)
-    path = tmp_path_factory.mktemp("predictor") / "tiny.npz"
-    predictor.save(path)
-    return path
+    return tiny.write_prompt_len_predictor(tmp_path_factory.mktemp("predictor") / "tiny.npz",
+                                           [2, 3, 3, 4, 20, 24, 28, 30], [190, 200, 180, 200, 4, 3, 4, 5], 200)
 
 
 def config(folder: Path, predictor: Path, preempt_rows: int) -> ServerConfig:

@@ -25,6 +25,7 @@ from treeserve.ops.speculation_modes import SpeculationMode
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorDeadError, ActorError, RemoteError
 from treeserve.transport.wire import ErrorCode
+from treeserve_testing.core_steps import admitted, verify
 
 EOS = 2
 
@@ -41,28 +42,6 @@ def submit(core: SchedulerCore, rid: str, now: float, *, prompt: Sequence[int] =
     req = core.submit(rid, GenerateBody(rid, tuple(prompt), params, SpeculationMode(speculate)), now)
     core.enqueue(req, predicted)
     return req
-
-
-def admitted(plan: StepPlan) -> list[str]:
-    return [a.request_id for chunk in plan.prefill_chunks for a in chunk]
-
-
-def verify(core: SchedulerCore, plan: StepPlan, now: float, tokens: Mapping[str, Sequence[int]] | None = None,
-           errors: Mapping[str, str] | None = None) -> StepEvents:
-    """The rest of ``plan``'s step with a fake verifier: row ``r`` emits ``tokens[r]`` (default
-    one token 7), or fails with ``errors[r]``; no speculator is asked."""
-    for chunk in plan.prefill_chunks:
-        core.prefilled(chunk, [None] * len(chunk))
-    asks = core.proposal_asks(plan)
-    trees = core.merge_proposals(plan, asks, [None] * len(asks))
-    verdicts = []
-    for row in plan.rows:
-        if errors and row.request_id in errors:
-            verdicts.append(RowVerdict(row.row, error=errors[row.request_id]))
-        else:
-            new = tuple((tokens or {}).get(row.request_id, (7,)))
-            verdicts.append(RowVerdict(row.row, tuple(range(len(new))), new))
-    return core.apply(plan, StepReplies(trees, tuple(verdicts), propose_s=0.0, verify_s=0.0), now)
 
 
 def step(
