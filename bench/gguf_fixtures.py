@@ -11,6 +11,9 @@ far from a lookup table. It is written in float32 by the gguf package's writer
 (``llama_model_quantize``) into each file type of :data:`FILE_TYPES`, once more with Llama 3.1's rope scaling (``rope_freqs``) in Q8_0, and as a
 ``qwen2`` model (Q/K/V biases, an untied head), a ``qwen3`` one (per-head Q/K norms), a ``phi3``
 one (fused Q/K/V and gate/up tensors) and a ``gemma3`` one (:data:`GEMMA3`) in Q4_K_M;
+each of these six architectures once more with its weight matrices spread over all eight block
+types (``tiny-<arch>-mixed.gguf``: every tensor as llama.cpp's ``pure`` requantization into its
+type wrote it, :func:`mixed_fixture`);
 and tiny float32 models with other tokenizers: SentencePiece (with a space prefix, as Llama 2's,
 and without, as Gemma's) and byte-level BPE with the ``llama-bpe`` and ``qwen2`` pre-tokenizers,
 with llama.cpp's token ids on :data:`TOKENIZER_TEXTS`.
@@ -18,7 +21,7 @@ llama.cpp then scores the corpus's first :data:`NUM_TOKENS` tokens on each file 
 and the logits are saved beside it. Bench-only (llama-cpp-python builds in minutes; see
 ``bench/RESULTS.md`` for the flags):
 
-    python bench/gguf_fixtures.py [--out tests/ops/data/gguf]
+    python bench/gguf_fixtures.py [--out tests/ops/data/gguf] [--only-mixed]
 
 Rerun only to change the fixtures; ``tests/ops/test_gguf_fixtures.py`` reads what it wrote.
 """
@@ -175,15 +178,81 @@ def sentencepiece_fixture(helpers: Any, out: Path, tmp: Path, *, space_prefix: b
     return {"file": target.name, "texts": list(TOKENIZER_TEXTS), "ids": ids, "bytes": target.stat().st_size}
 
 
-def llama_quantize(source: Path, target: Path, file_type: str) -> None:
-    """llama.cpp's requantization of ``source`` into ``target`` (``LLAMA_FTYPE_MOSTLY_<file_type>``)."""
+def llama_quantize(source: Path, target: Path, file_type: str, *, pure: bool = False) -> None:
+    """llama.cpp's requantization of ``source`` into ``target`` (``LLAMA_FTYPE_MOSTLY_<file_type>``;
+    ``pure``: every tensor in the file type's own block type, the head and embedding included)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.allow_requantize = True  # write_gguf stores ffn_down as Q8_0
+    params.pure = pure
     if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
         raise SystemExit(f"llama.cpp could not write {target.name}")
+
+
+MIXED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+"""Every integer block type treeserve reads, each with the llama.cpp file type whose ``pure``
+requantization stores every tensor in it (the K-quants through their ``_S`` file types)."""
+PURE_FILE_TYPES = {"Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}
+
+
+def mixed_types(names: list[str], offset: int) -> dict[str, str]:
+    """The block type of each of a file's weight matrices (``names``, in file order) in a mixed
+    fixture: :data:`MIXED_TYPES` in turn from ``offset``, so that every type holds at least one
+    matrix (a llama-shaped file of two layers has 14 linears and its embedding) and each
+    architecture puts them on other tensors."""
+    return {name: MIXED_TYPES[(i + offset) % len(MIXED_TYPES)] for i, name in enumerate(names)}
+
+
+def splice(source: Path, parts: dict[str, Path], types: dict[str, str], target: Path) -> None:
+    """``target``: ``source``'s metadata and tensors, with each tensor named in ``types`` taken, as
+    llama.cpp's bytes, from the file ``parts[type]`` (``source`` requantized by llama.cpp with
+    every tensor in that type)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    stored = {kind: {t.name: t for t in gguf.GGUFReader(str(path)).tensors} for kind, path in parts.items()}
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        chosen = stored[types[tensor.name]][tensor.name] if tensor.name in types else tensor
+        assert chosen.tensor_type.name == types.get(tensor.name, tensor.tensor_type.name), (tensor.name, chosen.tensor_type)
+        writer.add_tensor(tensor.name, np.asarray(chosen.data), raw_dtype=chosen.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def mixed_fixture(source: Path, target: Path, offset: int, tokens: list[int]) -> dict[str, Any]:
+    """``source`` (a float32 GGUF) with its weight matrices in every block type
+    (:func:`mixed_types`, from llama.cpp's ``pure`` requantizations), and llama.cpp's logits on
+    ``tokens`` beside it: its ``fixtures.json`` entry, with the type of each tensor."""
+    import gguf
+
+    names = [t.name for t in gguf.GGUFReader(str(source)).tensors if len(t.shape) == 2]
+    types = mixed_types(names, offset)
+    parts = {}
+    for kind in MIXED_TYPES:
+        parts[kind] = target.with_name(f"{target.stem}-pure-{kind}.gguf")
+        llama_quantize(source, parts[kind], PURE_FILE_TYPES.get(kind, kind), pure=True)
+    try:
+        splice(source, parts, types, target)
+    finally:
+        for path in parts.values():
+            path.unlink()
+    np.save(target.with_suffix(".logits.npy"), llama_cpp_logits(target, tokens).astype(np.float16))
+    held = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors if t.name in types}
+    assert held == types, (held, types)
+    print(target.name, sorted(set(held.values())), target.stat().st_size, flush=True)
+    return {"file": target.name, "block_types": sorted(set(held.values())), "tensor_types": held,
+            "bytes": target.stat().st_size}
 
 
 def quantize_and_score(source: Path, target: Path, file_type: str, tokens: list[int]) -> dict[str, Any]:
@@ -203,6 +272,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--only-mixed", action="store_true",
+                        help="write only the mixed-type files, keeping the other fixtures and their entries")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     helpers = conftest()
@@ -216,42 +287,57 @@ def main() -> None:
         train(model, corpus[:200], steps)
         return model
 
+    from treeserve.ops.loaders.hf import hf_rope_factors
+
+    # Llama 3.1's rope scaling: per-frequency factors (the llama3 formula on a short original
+    # context, so that they span 1 to 8), trained on its own rope so its next tokens are as clear.
+    factors = hf_rope_factors({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}, helpers.make_tiny_model(SEED, **DIMS).config.rope_base, DIMS["head_dim"])
+    # name: (GGUF architecture, training steps, shape). qwen2 (Q/K/V biases, an untied head),
+    # qwen3 (per-head Q/K norms), phi3 and gemma3 train eight steps, where five left two near
+    # ties (gaps of 0.3% of the range).
+    architectures: dict[str, tuple[str, int, dict[str, Any]]] = {
+        "llama": ("llama", TRAIN_STEPS, {}), "llama3": ("llama", TRAIN_STEPS, {"rope_factors": factors}),
+        "qwen2": ("qwen2", 8, {"qkv_bias": True, "tie_embeddings": False}), "qwen3": ("qwen3", 8, {"qk_norm": True}),
+        "phi3": ("phi3", 8, {}), "gemma3": ("gemma3", 8, GEMMA3)}
     meta: dict[str, Any] = {"tokens": tokens, "dims": DIMS, "seed": SEED, "train_steps": TRAIN_STEPS, "vocab_size": vocab,
                             "llama_cpp_version": llama_cpp.__version__, "files": {}}
+    if args.only_mixed:
+        meta = json.loads((args.out / "fixtures.json").read_text(encoding="utf-8"))
     with tempfile.TemporaryDirectory() as tmp:
+        def source(model: Any, arch: str, name: str) -> Path:
+            path = Path(tmp) / f"{name}-f32.gguf"
+            helpers.write_gguf(path, model, arch, backend)
+            return path
+
         def fixture(model: Any, arch: str, name: str, file_type: str) -> dict[str, Any]:
-            source = Path(tmp) / f"{name}-f32.gguf"
-            helpers.write_gguf(source, model, arch, backend)
-            return quantize_and_score(source, args.out / f"{name}-{file_type}.gguf", file_type, tokens)
+            return quantize_and_score(source(model, arch, name), args.out / f"{name}-{file_type}.gguf", file_type, tokens)
 
-        model = trained()
-        for file_type in FILE_TYPES:
-            meta["files"][file_type] = fixture(model, "llama", "tiny-llama", file_type)
-        # Llama 3.1's rope scaling: per-frequency factors (the llama3 formula on a short original
-        # context, so that they span 1 to 8), trained on its own rope so its next tokens are as
-        # clear, in Q8_0.
-        from treeserve.ops.loaders.hf import hf_rope_factors
-
-        factors = hf_rope_factors({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}, model.config.rope_base, DIMS["head_dim"])
-        meta["llama3"] = {**fixture(trained(rope_factors=factors), "llama", "tiny-llama3", "Q8_0"),
-                          "rope_factors": list(factors)}
-        # qwen2 (Q/K/V biases, an untied head) and qwen3 (per-head Q/K norms) in Q4_K_M; eight
-        # steps, where five left two near ties (gaps of 0.3% of the range).
-        meta["qwen2"] = {**fixture(trained(8, qkv_bias=True, tie_embeddings=False), "qwen2", "tiny-qwen2", "Q4_K_M"),
-                         "train_steps": 8}
-        meta["qwen3"] = {**fixture(trained(8, qk_norm=True), "qwen3", "tiny-qwen3", "Q4_K_M"), "train_steps": 8}
-        meta["phi3"] = {**fixture(trained(8), "phi3", "tiny-phi3", "Q4_K_M"), "train_steps": 8}
-        meta["gemma3"] = {**fixture(trained(8, **GEMMA3), "gemma3", "tiny-gemma3", "Q4_K_M"), "train_steps": 8}
-        meta["sentencepiece"] = sentencepiece_fixture(helpers, args.out, Path(tmp))
-        meta["sentencepiece_no_prefix"] = sentencepiece_fixture(helpers, args.out, Path(tmp), space_prefix=False)
-        unsplit = unsplit_bpe(helpers)
-        for pre in ("smollm", *BPE_PRE_TYPES):
-            meta[f"bpe_{pre}"] = bpe_pre_fixture(helpers, unsplit, args.out, pre)
-    # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
-    bpe = llama_cpp.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
-    meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),
-                              "ids": [bpe.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]}
+        # Every architecture with its weight matrices in every block type, one file each.
+        meta["mixed"] = {}
+        for offset, (name, (arch, steps, overrides)) in enumerate(architectures.items()):
+            model = trained(steps, **overrides)
+            entry = mixed_fixture(source(model, arch, f"tiny-{name}"), args.out / f"tiny-{name}-mixed.gguf", offset, tokens)
+            meta["mixed"][name] = {**entry, "train_steps": steps}
+        if not args.only_mixed:
+            model = trained()
+            for file_type in FILE_TYPES:
+                meta["files"][file_type] = fixture(model, "llama", "tiny-llama", file_type)
+            meta["llama3"] = {**fixture(trained(rope_factors=factors), "llama", "tiny-llama3", "Q8_0"),
+                              "rope_factors": list(factors)}
+            for name in ("qwen2", "qwen3", "phi3", "gemma3"):
+                arch, steps, overrides = architectures[name]
+                meta[name] = {**fixture(trained(steps, **overrides), arch, f"tiny-{name}", "Q4_K_M"), "train_steps": steps}
+            meta["sentencepiece"] = sentencepiece_fixture(helpers, args.out, Path(tmp))
+            meta["sentencepiece_no_prefix"] = sentencepiece_fixture(helpers, args.out, Path(tmp), space_prefix=False)
+            unsplit = unsplit_bpe(helpers)
+            for pre in ("smollm", *BPE_PRE_TYPES):
+                meta[f"bpe_{pre}"] = bpe_pre_fixture(helpers, unsplit, args.out, pre)
+    if not args.only_mixed:
+        # The byte-level BPE (smollm pre-tokenizer) of the other files, on the same texts.
+        bpe = llama_cpp.Llama(model_path=str(args.out / "tiny-llama-Q8_0.gguf"), vocab_only=True, verbose=False)
+        meta["byte_level_bpe"] = {"file": "tiny-llama-Q8_0.gguf", "texts": list(TOKENIZER_TEXTS),
+                                  "ids": [bpe.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]}
     (args.out / "fixtures.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
 
