@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treeserve.ops.decode_step import CompiledStep, artifact_name, begin_step, blocks_hidden
+from treeserve.ops.embedding import embedding_rows
 from treeserve.ops.formats import WeightFormat
 from treeserve.ops.linears import Q8Linear, q8_buffers
 from treeserve.ops.kernels import q8_amx
@@ -57,22 +58,30 @@ class FeatureDrafter(Transformer):
     head_weight: Tensor  # (K, D)
 
     def __init__(self, config: SSMConfig, embedding: nn.Embedding, head_weight: Tensor | None = None) -> None:
-        if embedding.weight.shape != (config.vocab_size, config.dim):
-            raise ValueError(f"the shared embedding is {tuple(embedding.weight.shape)}, "
-                             f"the drafter needs ({config.vocab_size}, {config.dim})")
+        shape = (embedding.num_embeddings, embedding.embedding_dim)
+        if shape != (config.vocab_size, config.dim):
+            raise ValueError(f"the shared embedding is {shape}, the drafter needs ({config.vocab_size}, {config.dim})")
         full = config.model_config()
         super().__init__(ModelConfig(**{**full.__dict__, "vocab_size": 1}))  # no full-size embedding
         self.config = full
         self.drafter_config = config
         self.embed_tokens = embedding
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
-        full_head = embedding.weight if head_weight is None else head_weight
-        if full_head.shape != (config.vocab_size, config.dim):
-            raise ValueError(f"the LM head is {tuple(full_head.shape)}, the drafter needs ({config.vocab_size}, {config.dim})")
-        self._full_head = [full_head]  # a list: not a submodule/buffer, never stored
+        if head_weight is not None and head_weight.shape != (config.vocab_size, config.dim):
+            raise ValueError(f"the LM head is {tuple(head_weight.shape)}, the drafter needs ({config.vocab_size}, {config.dim})")
+        # The full head's rows come from the embedding (tied) or head_weight: a list, so that it
+        # is not a submodule or buffer and is never stored.
+        self._full_head: list[nn.Module | Tensor] = [embedding if head_weight is None else head_weight]
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=False)
-        self.register_buffer("head_weight", full_head.detach()[: config.draft_vocab_size].clone(), persistent=False)
+        self.register_buffer("head_weight", self._head_rows(torch.arange(config.draft_vocab_size)), persistent=False)
         self.draft_step: DraftStep | None = None  # formatted (format_drafter), compiled by compile_draft_step
+
+    def _head_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of the full LM head, a copy."""
+        source = self._full_head[0]
+        if isinstance(source, Tensor):
+            return source.detach()[ids.to(source.device)].clone()
+        return embedding_rows(source, ids).clone()
 
     def set_draft_ids(self, draft_ids: Tensor) -> None:
         """Use ``draft_ids`` (``K`` distinct ascending ids) as the draft vocabulary."""
@@ -80,9 +89,8 @@ class FeatureDrafter(Transformer):
         k, vocab = self.drafter_config.draft_vocab_size, self.drafter_config.vocab_size
         if ids.numel() != k or int(ids.min()) < 0 or int(ids.max()) >= vocab or bool((ids[1:] <= ids[:-1]).any()):
             raise ValueError(f"draft_ids must be {k} distinct ascending ids in [0, {vocab})")
-        weight = self._full_head[0]
-        self.draft_ids = ids.to(weight.device)
-        self.head_weight = weight.detach()[self.draft_ids].clone().to(self.embed_tokens.weight.dtype)
+        self.draft_ids = ids.to(self.head_weight.device)
+        self.head_weight = self._head_rows(self.draft_ids).to(self.head_weight.dtype)
         if self.head_kernel is not None:  # formatted: the head's codes follow the rows
             self.head_kernel = Q8Linear(q8_buffers(self.head_weight.float()), k)
 
@@ -228,10 +236,16 @@ def compile_draft_step(drafter: FeatureDrafter, cache_dir: str | Path | None = N
     return drafter
 
 
+def _untied_head(verifier: Transformer) -> Tensor | None:
+    """The verifier's LM head matrix, or None where it is the embedding (tied: its rows are read
+    from the embedding, which may be the head's own codes, :mod:`~treeserve.ops.embedding`)."""
+    return None if verifier.lm_head is None else verifier.lm_head.weight
+
+
 def init_feature_drafter(verifier: Transformer, config: SSMConfig, draft_ids: Tensor) -> FeatureDrafter:
     """A drafter whose block copies the verifier's last one and whose fusion starts as
     "embedding plus a little state", so training starts from a sensible point."""
-    drafter = FeatureDrafter(config, verifier.embed_tokens, verifier.lm_head_weight).to(verifier.dtype)
+    drafter = FeatureDrafter(config, verifier.embed_tokens, _untied_head(verifier)).to(verifier.dtype)
     if config.ffn_dim != verifier.config.ffn_dim or config.num_layers < 1:
         raise ValueError("init_feature_drafter copies verifier blocks: use the verifier's ffn_dim")
     with torch.no_grad():
@@ -278,7 +292,7 @@ def load_feature_drafter(verifier: Transformer, path: str | Path | None = None) 
     if (config.vocab_size, config.dim) != (verifier.config.vocab_size, verifier.config.dim):
         raise ValueError(f"{file} drafts for vocab {config.vocab_size} / width {config.dim}, the model has "
                          f"{verifier.config.vocab_size} / {verifier.config.dim}")
-    drafter = FeatureDrafter(config, verifier.embed_tokens, verifier.lm_head_weight)
+    drafter = FeatureDrafter(config, verifier.embed_tokens, _untied_head(verifier))
     draft_ids = tensors.pop("draft_ids")
     drafter.load_state_dict(tensors, strict=False)
     missing = {k for k in drafter.stored_state_dict() if k not in tensors}

@@ -61,6 +61,9 @@ own, and each weight differs from the dequantized Q4_1 value only by the bf16 ro
 llama.cpp does (``d = amax / 127``), which recovers those codes and scales exactly from the
 dequantized weights (the largest code of a block is always 127), and the kernel multiplies by
 ``d * q`` unrounded: the head serves the GGUF's own values, where a bf16 head rounded them.
+A tied embedding then reads its rows out of the head's packed codes
+(:mod:`~treeserve.ops.embedding`, wherever they are the bf16 table's rows bit for bit, checked
+on every row), so the int formats hold that matrix once.
 
 On CUDA, float32 and bfloat16 run ``F.linear`` on plain weights (cuBLAS); int8 and q4_1
 refuse with :class:`FormatUnsupportedError`.
@@ -79,6 +82,7 @@ from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
 from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
 from treeserve.ops.format_names import WeightFormat as WeightFormat
 from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks, concat_rows
+from treeserve.ops.embedding import shared_embedding
 from treeserve.ops.kernels import codes8, dense_cpu
 from treeserve.ops.linears import (
     PREPARED_KERNELS,
@@ -225,7 +229,9 @@ def apply_format(
     :func:`resolve_format` gives for their types (``auto`` here knows only float weights).
     ``prepared`` (from :func:`prepared_buffers` of the same model, format and code, saved
     earlier) gives the int kernels their buffers, so nothing is packed or quantized again.
-    Embeddings and norms move to the format's activation dtype. The model then serves inference
+    Embeddings and norms move to the format's activation dtype; a tied embedding becomes a
+    :class:`~treeserve.ops.embedding.HeadEmbedding` over the head's codes where those give its
+    rows bit for bit (:func:`~treeserve.ops.embedding.shared_embedding`). The model then serves inference
     only (its fused kernels carry no gradients); :meth:`Transformer.logits` uses the format's head.
     """
     fmt = resolve_format(fmt, model.config, model.device)
@@ -285,6 +291,10 @@ def apply_format(
     head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"  # tied or not
     model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"), blocks.get(head_name))
     model.embed_tokens.to(fmt.activation_dtype)
+    if model.lm_head is None:  # tied: the embedding reads the head's codes where they are its values
+        shared = shared_embedding(model.head_kernel, model.embed_tokens.weight.detach())
+        if shared is not None:
+            model.embed_tokens = cast(nn.Embedding, shared)
     model.norm.to(fmt.activation_dtype)
     if model.lm_head is not None:
         model.lm_head.to(fmt.activation_dtype)

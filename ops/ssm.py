@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treeserve.ops.drafting import Speculator, start_request, validate_expansion
+from treeserve.ops.embedding import embedding_rows
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model import Block, Transformer
 from treeserve.ops.model_config import ModelConfig
@@ -90,10 +91,9 @@ class DistilledSSM(Transformer):
     head_weight: Tensor  # (K, D): embedding rows of draft_ids (not stored)
 
     def __init__(self, config: SSMConfig, embedding: nn.Embedding) -> None:
-        if embedding.weight.shape != (config.vocab_size, config.dim):
-            raise ValueError(
-                f"the shared embedding is {tuple(embedding.weight.shape)}, the SSM needs ({config.vocab_size}, {config.dim})"
-            )
+        shape = (embedding.num_embeddings, embedding.embedding_dim)
+        if shape != (config.vocab_size, config.dim):
+            raise ValueError(f"the shared embedding is {shape}, the SSM needs ({config.vocab_size}, {config.dim})")
         # Build with a 1-token vocabulary so no full-size embedding is allocated, then adopt
         # the verifier's embedding and the real config.
         full = config.model_config()
@@ -103,7 +103,8 @@ class DistilledSSM(Transformer):
         self.embed_tokens = embedding
         self.head_bias = nn.Parameter(torch.zeros(config.draft_vocab_size))
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=False)
-        self.register_buffer("head_weight", embedding.weight.detach()[: config.draft_vocab_size].clone(), persistent=False)
+        first = torch.arange(config.draft_vocab_size)
+        self.register_buffer("head_weight", embedding_rows(embedding, first).clone(), persistent=False)
 
     def set_draft_ids(self, draft_ids: Tensor) -> None:
         """Use ``draft_ids`` (``K`` distinct ascending ids) as the draft vocabulary and its head rows."""
@@ -111,9 +112,8 @@ class DistilledSSM(Transformer):
         k, vocab = self.ssm_config.draft_vocab_size, self.ssm_config.vocab_size
         if ids.numel() != k or int(ids.min()) < 0 or int(ids.max()) >= vocab or bool((ids[1:] <= ids[:-1]).any()):
             raise ValueError(f"draft_ids must be {k} distinct ascending ids in [0, {vocab})")
-        weight = self.embed_tokens.weight
-        self.draft_ids = ids.to(weight.device)
-        self.head_weight = weight.detach()[self.draft_ids].clone()
+        self.draft_ids = ids.to(self.head_weight.device)
+        self.head_weight = embedding_rows(self.embed_tokens, self.draft_ids).clone()
 
     def stored_state_dict(self) -> dict[str, Tensor]:
         """The tensors a weights file stores: everything except the shared embedding."""

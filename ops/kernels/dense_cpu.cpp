@@ -36,6 +36,7 @@
 #include <type_traits>
 
 #include "cpu_blocks.h"
+#include "embed_rows.h"
 #include "simd16.h"
 
 namespace {
@@ -134,6 +135,12 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& b
 
 }  // namespace
 
-TORCH_LIBRARY(treeserve_dense, m) { m.def("mm(Tensor x, Tensor weight, Tensor bias) -> Tensor"); }
+TORCH_LIBRARY(treeserve_dense, m) {
+  m.def("mm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  m.def("embed_rows(Tensor ids, Tensor codes, Tensor scales, Tensor zeros, int kind, int N, int K) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(treeserve_dense, CPU, m) { m.impl("mm", mm); }
+TORCH_LIBRARY_IMPL(treeserve_dense, CPU, m) {
+  m.impl("mm", mm);
+  m.impl("embed_rows", embed_rows);
+}

@@ -6,7 +6,9 @@ count. This kernel splits every product over torch's threads in units they claim
 free, and gives each output one summation order at every row count and on both builds, so a
 row's outputs are the same bits alone, in a tree, in a batch or in a prefill.
 
-Its op is ``torch.ops.treeserve_dense.mm(x, weight, bias)``; it is built once per machine
+Its op is ``torch.ops.treeserve_dense.mm(x, weight, bias)`` (and ``embed_rows``, a tied embedding's
+rows read out of its LM head's packed codes, ``embed_rows.h`` and :mod:`treeserve.ops.embedding`);
+it is built once per machine
 (:mod:`cpp_build`). :func:`available` says whether this CPU and machine can run it; where they
 cannot, the float32 format keeps ``F.linear``.
 """
@@ -32,6 +34,10 @@ def _shape(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _rows_shape(ids: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor, kind: int, n: int, k: int) -> Tensor:
+    return codes.new_empty((ids.shape[0], k), dtype=torch.bfloat16)
+
+
 def _flags() -> tuple[str, ...] | None:
     chosen = cpp_build.simd16_flags()
     return (*chosen, *CONTRACT) if chosen is not None else None
@@ -40,7 +46,7 @@ def _flags() -> tuple[str, ...] | None:
 def available() -> bool:
     """True when the kernel is built and loaded (a CPU with AVX-512, or AVX2 and FMA, and a C++
     compiler)."""
-    return cpp_build.load_ops(SOURCE, _flags, {"treeserve_dense::mm": _shape})
+    return cpp_build.load_ops(SOURCE, _flags, {"treeserve_dense::mm": _shape, "treeserve_dense::embed_rows": _rows_shape})
 
 
 def mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

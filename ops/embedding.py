@@ -1,0 +1,113 @@
+"""The token embedding read out of the LM head's own codes, for models whose head is tied to it.
+
+A tied model's embedding table and LM head hold the same matrix. Once a format has packed the
+head (a GGUF's Q8_0 on ``kernels/q8_amx``, or a stored block type on ``kernels/codes8``), a
+bf16 copy of the same values as the embedding table is a second copy of the largest matrix:
+56.6 MB beside the default model's 32 MB head, 335 MB for Gemma 3 270M's 262k-token vocabulary.
+:class:`HeadEmbedding` looks the rows up in the head's packed codes and scales instead, and
+dequantizes only the rows asked for, in the order the file's dequantization takes
+(``block_types``): the rows are the bf16 table's own, bit for bit. :func:`shared_embedding`
+builds one only where that holds, checked on every row when the format is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from treeserve.ops.kernels import dense_cpu
+from treeserve.ops.linears import Codes8Linear, Q8Linear
+
+GROUP = 32
+"""Weights per code group along a row (and per zero)."""
+
+CHECK_ROWS = 4096
+"""Rows compared at a time against the table (a bounded scratch)."""
+
+_NONE = torch.empty(0)
+
+
+class HeadEmbedding(nn.Module):
+    """``nn.Embedding``'s lookup over a packed LM head (:class:`Q8Linear`, or :class:`Codes8Linear`
+    at a byte or five bits a code): ``forward(tokens)`` gives ``(..., D)`` bf16 rows.
+
+    The head's tensors are held as buffers of this module too (the same storage, not saved with
+    a state dict), and nothing converts them: a drafter's ``.to(dtype)`` over the shared
+    embedding leaves the head's codes and scales as they are (:meth:`_apply`).
+    """
+
+    def __init__(self, head: Q8Linear | Codes8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+        self.kind = 0 if isinstance(head, Q8Linear) else 1  # embed_rows.h's packings
+        if isinstance(head, Q8Linear):
+            tensors = {"codes": head.codes, "scales": head.scales, "zeros": None}
+        else:
+            zeros = head.c8_zeros if head.c8_zeros.numel() else None
+            tensors = {"codes": head.c8_codes, "scales": head.c8_scales, "zeros": zeros}
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Leave the head's tensors as they are: they belong to the head kernel."""
+        return self
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The rows ``ids`` ``(T,)`` of the table, ``(T, D)`` bf16: ``scale * code`` (``+ zero``)
+        in float32, as the file's dequantization, then rounded (``embed_rows.h``)."""
+        zeros = _NONE if self.zeros is None else self.zeros
+        out: Tensor = torch.ops.treeserve_dense.embed_rows(ids.reshape(-1).to(torch.long).contiguous(), self.codes,
+                                                           self.scales, zeros, self.kind, self.num_embeddings,
+                                                           self.embedding_dim)
+        return out
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.rows(tokens).reshape(*tokens.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole ``(V, D)`` table, dequantized anew on each read (for code that needs the
+        matrix itself; a lookup reads :meth:`rows`)."""
+        return self.rows(torch.arange(self.num_embeddings, device=self.device))
+
+
+def _packs_whole_codes(head: nn.Module) -> bool:
+    """True for a head whose codes a :class:`HeadEmbedding` reads: Q8_0 on q8_amx, or codes8
+    (at a byte or five bits a code)."""
+    if isinstance(head, Q8Linear):
+        return head.codes.numel() == head.out_features * head.in_features
+    return isinstance(head, Codes8Linear)
+
+
+def shared_embedding(head: nn.Module | None, table: Tensor) -> HeadEmbedding | None:
+    """A :class:`HeadEmbedding` over ``head`` that gives every row of ``table`` ``(V, D)`` bit for
+    bit, or None (another kernel, another shape, or values that differ: a head quantized from
+    float weights that were not Q8_0 blocks)."""
+    if head is None or not _packs_whole_codes(head) or head.out_features != table.shape[0]:
+        return None
+    if table.dtype != torch.bfloat16 or table.device.type != "cpu" or not dense_cpu.available():
+        return None
+    if not isinstance(head, (Q8Linear, Codes8Linear)) or head.in_features != table.shape[1]:
+        return None
+    shared = HeadEmbedding(head, table.dtype)
+    for start in range(0, table.shape[0], CHECK_ROWS):
+        ids = torch.arange(start, min(start + CHECK_ROWS, table.shape[0]), device=table.device)
+        if not torch.equal(shared.rows(ids).view(torch.int16), table[ids].view(torch.int16)):
+            return None
+    return shared
+
+
+def embedding_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
+    """Rows ``ids`` of an ``nn.Embedding``'s or a :class:`HeadEmbedding`'s table."""
+    if isinstance(embedding, HeadEmbedding):
+        return embedding.rows(ids)
+    weight: Tensor = embedding.weight
+    return weight.detach()[ids]
+
+
+__all__ = ["HeadEmbedding", "embedding_rows", "shared_embedding"]
