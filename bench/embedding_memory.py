@@ -26,15 +26,17 @@ def measure(model_name: str, shared: bool) -> dict[str, object]:
     from treeserve.ops import formats
 
     if not shared:
-        formats.shared_embedding = lambda head, table: None  # type: ignore[assignment]
+        formats.packed_embedding = lambda head, table: None  # type: ignore[assignment]
     model = load_model(model_name, weight_format="auto", compile_decode=False).model
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (*model.parameters(), *model.buffers())}
-    rss_kb = next(int(line.split()[1]) for line in open("/proc/self/status", encoding="ascii") if line.startswith("VmRSS"))
+    status = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/self/status", encoding="ascii")
+              if line.startswith(("VmRSS", "RssAnon", "RssFile"))}
     return {"embedding": type(model.embed_tokens).__name__, "weight_format": model.weight_format,
-            "tensor_mb": round(sum(storages.values()) / 2**20, 1), "rss_mb": round(rss_kb / 1024, 1)}
+            "tensor_mb": round(sum(storages.values()) / 2**20, 1), "rss_mb": round(status["VmRSS"] / 1024, 1),
+            "rss_anon_mb": round(status["RssAnon"] / 1024, 1), "rss_file_mb": round(status["RssFile"] / 1024, 1)}
 
 
 def main() -> None:

@@ -1,13 +1,16 @@
-"""The token embedding read out of the LM head's own codes, for models whose head is tied to it.
+"""The token embedding read out of packed codes: the LM head's own where it is tied to the
+embedding, or the embedding's own GGUF blocks packed once where it is not.
 
 A tied model's embedding table and LM head hold the same matrix. Once a format has packed the
 head (a GGUF's Q8_0 on ``kernels/q8_amx``, or a stored block type on ``kernels/codes8``), a
 bf16 copy of the same values as the embedding table is a second copy of the largest matrix:
 56.6 MB beside the default model's 32 MB head, 335 MB for Gemma 3 270M's 262k-token vocabulary.
-:class:`HeadEmbedding` looks the rows up in the head's packed codes and scales instead, and
-dequantizes only the rows asked for, in the order the file's dequantization takes
-(``block_types``): the rows are the bf16 table's own, bit for bit. :func:`shared_embedding`
-builds one only where that holds, checked on every row when the format is applied.
+An untied model's embedding (Llama 3 8B's 128k x 4096, 1 GB in bf16) is stored in a block type
+of a byte or less a weight. :class:`PackedEmbedding` looks rows up in packed codes and scales,
+and dequantizes only the rows asked for, in the order the file's dequantization takes
+(``block_types``): the rows are the bf16 table's own, bit for bit. :func:`packed_embedding`
+builds one only where that holds, checked on every row when the format is applied;
+:func:`embedding_codes` packs an untied embedding's stored blocks for it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from treeserve.ops.kernels import dense_cpu
+from treeserve.ops.block_types import Q4Blocks, StoredBlocks
+from treeserve.ops.kernels import codes8, dense_cpu
 from treeserve.ops.linears import Codes8Linear, Q8Linear
 
 GROUP = 32
@@ -27,7 +31,7 @@ CHECK_ROWS = 4096
 _NONE = torch.empty(0)
 
 
-class HeadEmbedding(nn.Module):
+class PackedEmbedding(nn.Module):
     """``nn.Embedding``'s lookup over a packed LM head (:class:`Q8Linear`, or :class:`Codes8Linear`
     at a byte or five bits a code): ``forward(tokens)`` gives ``(..., D)`` bf16 rows.
 
@@ -77,24 +81,25 @@ class HeadEmbedding(nn.Module):
 
 
 def _packs_whole_codes(head: nn.Module) -> bool:
-    """True for a head whose codes a :class:`HeadEmbedding` reads: Q8_0 on q8_amx, or codes8
+    """True for a head whose codes a :class:`PackedEmbedding` reads: Q8_0 on q8_amx, or codes8
     (at a byte or five bits a code)."""
     if isinstance(head, Q8Linear):
         return head.codes.numel() == head.out_features * head.in_features
     return isinstance(head, Codes8Linear)
 
 
-def shared_embedding(head: nn.Module | None, table: Tensor) -> HeadEmbedding | None:
-    """A :class:`HeadEmbedding` over ``head`` that gives every row of ``table`` ``(V, D)`` bit for
-    bit, or None (another kernel, another shape, or values that differ: a head quantized from
-    float weights that were not Q8_0 blocks)."""
+def packed_embedding(head: nn.Module | None, table: Tensor) -> PackedEmbedding | None:
+    """A :class:`PackedEmbedding` over ``head`` (a packed LM head, or :func:`embedding_codes`)
+    that gives every row of ``table`` ``(V, D)`` bit for bit, or None (another kernel, another
+    shape, or values that differ: a head quantized from float weights that were not Q8_0
+    blocks)."""
     if head is None or not _packs_whole_codes(head) or head.out_features != table.shape[0]:
         return None
     if table.dtype != torch.bfloat16 or table.device.type != "cpu" or not dense_cpu.available():
         return None
     if not isinstance(head, (Q8Linear, Codes8Linear)) or head.in_features != table.shape[1]:
         return None
-    shared = HeadEmbedding(head, table.dtype)
+    shared = PackedEmbedding(head, table.dtype)
     for start in range(0, table.shape[0], CHECK_ROWS):
         ids = torch.arange(start, min(start + CHECK_ROWS, table.shape[0]), device=table.device)
         if not torch.equal(shared.rows(ids).view(torch.int16), table[ids].view(torch.int16)):
@@ -102,12 +107,21 @@ def shared_embedding(head: nn.Module | None, table: Tensor) -> HeadEmbedding | N
     return shared
 
 
+def embedding_codes(stored: StoredBlocks | None, table: Tensor) -> Codes8Linear | None:
+    """The stored blocks of an untied embedding (``table`` ``(V, D)``), packed on codes8 for
+    :func:`packed_embedding` to read (the kernel's container only: nothing multiplies by it), or
+    None where there are none or codes8 does not take the shape here."""
+    if stored is None or not codes8.available() or not codes8.supports(*table.shape):
+        return None
+    return Codes8Linear(stored.as_codes8() if isinstance(stored, Q4Blocks) else stored, None, float_out=True)
+
+
 def embedding_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
-    """Rows ``ids`` of an ``nn.Embedding``'s or a :class:`HeadEmbedding`'s table."""
-    if isinstance(embedding, HeadEmbedding):
+    """Rows ``ids`` of an ``nn.Embedding``'s or a :class:`PackedEmbedding`'s table."""
+    if isinstance(embedding, PackedEmbedding):
         return embedding.rows(ids)
     weight: Tensor = embedding.weight
     return weight.detach()[ids]
 
 
-__all__ = ["HeadEmbedding", "embedding_rows", "shared_embedding"]
+__all__ = ["PackedEmbedding", "embedding_codes", "embedding_rows", "packed_embedding"]

@@ -61,9 +61,9 @@ own, and each weight differs from the dequantized Q4_1 value only by the bf16 ro
 llama.cpp does (``d = amax / 127``), which recovers those codes and scales exactly from the
 dequantized weights (the largest code of a block is always 127), and the kernel multiplies by
 ``d * q`` unrounded: the head serves the GGUF's own values, where a bf16 head rounded them.
-A tied embedding then reads its rows out of the head's packed codes
-(:mod:`~treeserve.ops.embedding`, wherever they are the bf16 table's rows bit for bit, checked
-on every row), so the int formats hold that matrix once.
+A tied embedding then reads its rows out of the head's packed codes, and an untied one out of
+its own stored blocks packed once (:mod:`~treeserve.ops.embedding`, wherever they are the bf16
+table's rows bit for bit, checked on every row): no bf16 table is held.
 
 On CUDA, float32 and bfloat16 run ``F.linear`` on plain weights (cuBLAS); int8 and q4_1
 refuse with :class:`FormatUnsupportedError`.
@@ -71,6 +71,7 @@ refuse with :class:`FormatUnsupportedError`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import cast
 
@@ -81,8 +82,8 @@ from treeserve.ops.format_names import AUTO_FORMAT as AUTO_FORMAT  # re-exported
 from treeserve.ops.format_names import DEFAULT_FORMAT as DEFAULT_FORMAT
 from treeserve.ops.format_names import FORMAT_NAMES as FORMAT_NAMES
 from treeserve.ops.format_names import WeightFormat as WeightFormat
-from treeserve.ops.block_types import Codes8Blocks, Q4Blocks, StoredBlocks, concat_rows
-from treeserve.ops.embedding import shared_embedding
+from treeserve.ops.block_types import BLOCK_TYPES, Codes8Blocks, Q4Blocks, StoredBlocks, concat_rows
+from treeserve.ops.embedding import embedding_codes, packed_embedding
 from treeserve.ops.kernels import codes8, dense_cpu
 from treeserve.ops.linears import (
     PREPARED_KERNELS,
@@ -105,13 +106,16 @@ from treeserve.ops.linears import (
 from treeserve.ops.model import Block, Transformer
 from treeserve.ops.model_config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.device | None = None,
                    stored_types: Mapping[str, str] | None = None) -> WeightFormat:
     """The format ``name`` stands for on a model of ``config`` on ``device``: ``auto`` is, on
     CPU when every linear's input size is a multiple of 32, the format the weights are stored in
     (``stored_types``: a GGUF's linear weights' block types by parameter name): ``q4_1`` where
-    they are all Q4_1 or the weights are floats, else ``gguf`` (each in its own block type);
+    they are all Q4_1 or the weights are floats, else ``gguf`` (each in its own block type), or
+    bfloat16 with a warning, once, where a stored type's kernel (codes8) does not run here;
     elsewhere bfloat16 (the int formats have CPU kernels only). Any other name is that format."""
     if name != AUTO_FORMAT:
         return WeightFormat.parse(name)
@@ -121,7 +125,24 @@ def resolve_format(name: str | WeightFormat, config: ModelConfig, device: torch.
     if not all(size % Q4_GROUP == 0 for size in inputs):
         return WeightFormat.BFLOAT16
     linears = {kind for name, kind in (stored_types or {}).items() if _is_linear(name)}
-    return DEFAULT_FORMAT if linears <= {"Q4_1", "F32", "F16", "BF16"} else WeightFormat.GGUF
+    if linears <= {"Q4_1", "F32", "F16", "BF16"}:
+        return DEFAULT_FORMAT
+    unserved = sorted(k for k in linears if k in BLOCK_TYPES and BLOCK_TYPES[k].kernel == "codes8")
+    if unserved and not codes8.available():
+        _warn_once(f"the block types {', '.join(unserved)} have no kernel on this machine (the 8-bit-code kernel needs "
+                   "AVX2 and a C++ compiler): serving this model in bfloat16, dequantized")
+        return WeightFormat.BFLOAT16
+    return WeightFormat.GGUF
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 def _is_linear(name: str) -> bool:
@@ -184,7 +205,10 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     format kernel of ``model``, the LM head included; embeddings and norms are left out (a
     step reads one embedding row and a few KB of norms)."""
     total = 0
+    lookups = getattr(model, "embed_codes", None)  # an untied embedding's codes: one row a token
     for module in model.modules():
+        if module is lookups:
+            continue
         if isinstance(module, (DenseLinear, OneDnnLinear, *PREPARED_KERNELS)):
             total += module.num_weight_bytes
     return total
@@ -215,6 +239,34 @@ def _moved_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
     return new
 
 
+def _pack_embedding(model: Transformer, stored: StoredBlocks | None, saved: Mapping[str, Tensor]) -> None:
+    """An int format's embedding: its rows out of packed codes where they are the bf16 table's,
+    the head's when tied, else its own ``stored`` blocks packed once (``saved``: those buffers
+    from an earlier start; a submodule ``embed_codes``, so :func:`prepared_buffers` saves them)."""
+    table = model.embed_tokens.weight.detach()
+    codes: nn.Module | None = model.head_kernel
+    if model.lm_head is not None:
+        codes = (Codes8Linear(saved, None, float_out=True) if saved and codes8.available()
+                 else embedding_codes(stored, table))
+    packed = packed_embedding(codes, table)
+    if packed is not None:
+        model.embed_tokens = cast(nn.Embedding, packed)
+        if codes is not model.head_kernel:
+            model.embed_codes = codes
+
+
+def _format_blocks(model: Transformer, fmt: WeightFormat, stored: Mapping[str, StoredBlocks] | None) -> dict[str, StoredBlocks]:
+    """The stored blocks ``fmt`` serves: the q4_1 format takes the 4-bit ones, the gguf format
+    every stored type; :class:`FormatUnsupportedError` where they do not fit a tensor-parallel
+    shard's sliced weights."""
+    blocks = {name: b for name, b in (stored or {}).items()
+              if fmt is WeightFormat.GGUF or (fmt is WeightFormat.Q4_1 and isinstance(b, Q4Blocks))}
+    params = dict(model.named_parameters()) if blocks else {}
+    if any(name in params and b.codes.shape != params[name].shape for name, b in blocks.items()):
+        raise FormatUnsupportedError(f"a GGUF's stored blocks do not fit a tensor-parallel shard (run {fmt.value} with --tp 1)")
+    return blocks
+
+
 def apply_format(
     model: Transformer, fmt: WeightFormat | str, *, stored: Mapping[str, StoredBlocks] | None = None,
     prepared: Mapping[str, Tensor] | None = None,
@@ -229,9 +281,10 @@ def apply_format(
     :func:`resolve_format` gives for their types (``auto`` here knows only float weights).
     ``prepared`` (from :func:`prepared_buffers` of the same model, format and code, saved
     earlier) gives the int kernels their buffers, so nothing is packed or quantized again.
-    Embeddings and norms move to the format's activation dtype; a tied embedding becomes a
-    :class:`~treeserve.ops.embedding.HeadEmbedding` over the head's codes where those give its
-    rows bit for bit (:func:`~treeserve.ops.embedding.shared_embedding`). The model then serves inference
+    Embeddings and norms move to the format's activation dtype; in the int formats the embedding
+    becomes a :class:`~treeserve.ops.embedding.PackedEmbedding` over the head's codes (tied) or its
+    own stored blocks (untied) where those give its rows bit for bit
+    (:func:`~treeserve.ops.embedding.packed_embedding`). The model then serves inference
     only (its fused kernels carry no gradients); :meth:`Transformer.logits` uses the format's head.
     """
     fmt = resolve_format(fmt, model.config, model.device)
@@ -240,15 +293,7 @@ def apply_format(
     if model.dtype != torch.float32:
         raise ValueError(f"apply_format needs a float32 model (the source values), got {model.dtype}")
     device = model.device
-    # The q4_1 format takes the 4-bit blocks, the gguf format every stored type.
-    blocks = {name: b for name, b in (stored or {}).items()
-              if fmt is WeightFormat.GGUF or (fmt is WeightFormat.Q4_1 and isinstance(b, Q4Blocks))}
-    if blocks:
-        params = dict(model.named_parameters())
-        tp_sliced = [name for name, b in blocks.items() if name in params and b.codes.shape != params[name].shape]
-        if tp_sliced:
-            raise FormatUnsupportedError(f"a GGUF's stored blocks do not fit a tensor-parallel shard (run {fmt.value} with --tp 1)")
-
+    blocks = _format_blocks(model, fmt, stored)
     saved = dict(prepared or {})
 
     def buffers_of(path: str) -> dict[str, Tensor]:
@@ -291,10 +336,8 @@ def apply_format(
     head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"  # tied or not
     model.head_kernel = _head(fmt, model.lm_head_weight.detach(), buffers_of("head_kernel"), blocks.get(head_name))
     model.embed_tokens.to(fmt.activation_dtype)
-    if model.lm_head is None:  # tied: the embedding reads the head's codes where they are its values
-        shared = shared_embedding(model.head_kernel, model.embed_tokens.weight.detach())
-        if shared is not None:
-            model.embed_tokens = cast(nn.Embedding, shared)
+    if fmt.is_int:
+        _pack_embedding(model, blocks.get("embed_tokens.weight"), buffers_of("embed_codes"))
     model.norm.to(fmt.activation_dtype)
     if model.lm_head is not None:
         model.lm_head.to(fmt.activation_dtype)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from treeserve.ops.embedding import HeadEmbedding
+from treeserve.ops.embedding import PackedEmbedding
 from treeserve.ops.kernels import tree_attention_cuda
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.model_config import ModelConfig, activation, apply_rope, rope_tables
@@ -258,12 +258,12 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """Dtype of the weights (and of caches made by :meth:`new_cache`)."""
-        return self.embed_tokens.dtype if isinstance(self.embed_tokens, HeadEmbedding) else self.embed_tokens.weight.dtype
+        return self.embed_tokens.dtype if isinstance(self.embed_tokens, PackedEmbedding) else self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Device of the weights."""
-        return self.embed_tokens.device if isinstance(self.embed_tokens, HeadEmbedding) else self.embed_tokens.weight.device
+        return self.embed_tokens.device if isinstance(self.embed_tokens, PackedEmbedding) else self.embed_tokens.weight.device
 
     @property
     def lm_head_weight(self) -> Tensor:

@@ -1,5 +1,5 @@
 // dense_cpu.cpp's embed_rows: rows of a token embedding read out of an LM head's packed codes
-// (treeserve.ops.embedding.HeadEmbedding), w = scale * code (+ zero) in float32, rounded to bf16
+// (treeserve.ops.embedding.PackedEmbedding), w = scale * code (+ zero) in float32, rounded to bf16
 // to nearest even: the file's dequantization of those rows, as the bf16 table held them.
 
 #pragma once

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeserve.ops.embedding import HeadEmbedding, embedding_rows, shared_embedding
+from treeserve.ops.embedding import PackedEmbedding, embedding_rows, packed_embedding
 from treeserve.ops.formats import apply_format
 from treeserve.ops.kernels import dense_cpu, q8_amx
 
@@ -32,7 +32,7 @@ def test_the_q8_head_serves_the_embedding_bit_for_bit() -> None:
     table = _table(model)
     apply_format(model, "q4_1")
     embedding = model.embed_tokens
-    assert isinstance(embedding, HeadEmbedding) and embedding.kind == 0
+    assert isinstance(embedding, PackedEmbedding) and embedding.kind == 0
     assert embedding.codes.data_ptr() == model.head_kernel.codes.data_ptr()  # the head's own storage
     ids = torch.arange(table.shape[0])
     assert torch.equal(embedding.rows(ids).view(torch.int16), table.view(torch.int16))
@@ -54,9 +54,9 @@ def test_one_changed_code_fails_the_check() -> None:
     table = _table(model)
     apply_format(model, "q4_1")
     head = copy.deepcopy(model.head_kernel)
-    assert shared_embedding(head, table) is not None
+    assert packed_embedding(head, table) is not None
     head.codes[5000] = head.codes[5000] ^ 1
-    assert shared_embedding(head, table) is None
+    assert packed_embedding(head, table) is None
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_1", "Q6_K", "Q8_0"])
@@ -79,7 +79,7 @@ def test_a_codes8_head_serves_the_embedding_bit_for_bit(kind: str) -> None:
     table = _table(model)
     apply_format(model, "gguf", stored={"embed_tokens.weight": stored})
     embedding = model.embed_tokens
-    assert isinstance(embedding, HeadEmbedding) and embedding.kind == 1, type(embedding)
+    assert isinstance(embedding, PackedEmbedding) and embedding.kind == 1, type(embedding)
     assert (embedding.zeros is not None) == (kind in ("Q4_0", "Q4_K", "Q5_1"))
     assert torch.equal(embedding.rows(torch.arange(rows)).view(torch.int16), table.view(torch.int16))
     tokens = torch.randint(0, rows, (20,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -88,15 +88,57 @@ def test_a_codes8_head_serves_the_embedding_bit_for_bit(kind: str) -> None:
     assert torch.equal(got, logits(model, tokens))
 
 
-def test_an_untied_model_keeps_its_table(tmp_path: Path) -> None:
+def test_an_untied_embedding_of_a_shape_codes8_does_not_take_keeps_its_table(tmp_path: Path) -> None:
     from treeserve.ops.loaders.load import load_model
 
     model = load_model(DATA / META["mixed"]["qwen2"]["file"], weight_format="auto", cache_dir=tmp_path,
                        compile_decode=False).model
-    assert model.lm_head is not None and isinstance(model.embed_tokens, torch.nn.Embedding)
+    assert model.lm_head is not None and model.config.vocab_size % 16 != 0
+    assert isinstance(model.embed_tokens, torch.nn.Embedding)
 
 
-def test_the_drafters_read_their_head_rows_from_the_shared_embedding() -> None:
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_an_untied_embedding_reads_its_own_blocks_and_saves_them_with_the_format(kind: str) -> None:
+    """An untied embedding stored in a block type: packed once, its rows the table's bit for bit,
+    the same logits, left out of the bytes a token reads, and back from the saved buffers."""
+    from treeserve.ops.block_types import BLOCK_TYPES
+    from treeserve.ops.formats import prepared_buffers, weight_bytes_per_token
+
+    from .conftest import random_raw
+    from .test_gguf_format import DIMS, SCALE, logits
+
+    block = BLOCK_TYPES[kind]
+
+    def untied() -> tuple[torch.nn.Module, dict[str, object]]:
+        model = make_tiny_model(10, **{**DIMS, "tie_embeddings": False})
+        rows, cols = model.embed_tokens.weight.shape
+        stored = block.stored(random_raw(block, rows, cols // block.block_size, seed=5, scale=SCALE[kind] * 20), rows)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(stored.dequantize())
+        return model, {"embed_tokens.weight": stored}
+
+    model, stored = untied()
+    table = _table(model)
+    rows, cols = table.shape
+    apply_format(model, "gguf", stored=stored)
+    assert isinstance(model.embed_tokens, PackedEmbedding) and model.lm_head is not None
+    assert torch.equal(model.embed_tokens.rows(torch.arange(rows)).view(torch.int16), table.view(torch.int16))
+    tokens = torch.randint(0, rows, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = logits(model, tokens)
+    read = weight_bytes_per_token(model)
+    saved = prepared_buffers(model)
+    assert any(name.startswith("embed_codes.") for name in saved)
+    model.embed_tokens = torch.nn.Embedding(rows, cols, _weight=table)
+    assert torch.equal(got, logits(model, tokens))
+    del model.embed_codes
+    assert weight_bytes_per_token(model) == read  # the embedding's codes are not read a token
+    again, _ = untied()
+    apply_format(again, "gguf", prepared=saved)  # a later start: the saved buffers, no blocks
+    assert isinstance(again.embed_tokens, PackedEmbedding)
+    assert torch.equal(logits(again, tokens), got)
+
+
+def test_the_drafters_read_their_head_rows_from_the_packed_embedding() -> None:
     from treeserve.ops.feature_drafter import FeatureDrafter
     from treeserve.ops.ssm import DistilledSSM, SSMConfig
 
@@ -138,6 +180,6 @@ def test_both_codes8_packings_give_the_rows(kind: str, five_bits: bool) -> None:
     assert (codes.numel() < rows * cols) == (five_bits and kind != "Q8_0")
     head = Codes8Linear({"c8_codes": codes, "c8_scales": scales, "c8_zeros": zeros,
                          "c8_shape": torch.tensor([rows, cols])}, None, float_out=True)
-    shared = shared_embedding(head, table)
+    shared = packed_embedding(head, table)
     assert shared is not None
     assert torch.equal(shared.rows(torch.arange(rows)).view(torch.int16), table.view(torch.int16))

@@ -223,3 +223,28 @@ def test_bfloat16_needs_no_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
         packed = formats.make_linear(WeightFormat.BFLOAT16, weight, None)
         assert isinstance(packed, formats.OneDnnLinear)
         assert (packed(x).float() - plain(x).float()).abs().max() <= 0.05
+
+
+def test_auto_serves_bfloat16_with_one_warning_where_a_stored_type_has_no_kernel(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A GGUF whose linears need the 8-bit-code kernel, on a machine where it does not run (no
+    AVX2 or no compiler): auto names the types and the fallback once, and serves bfloat16; 4-bit
+    types alone keep the gguf format (the 4-bit kernel has torch's fallback)."""
+    import logging
+
+    from treeserve.ops import formats
+    from treeserve.ops.kernels import codes8
+
+    config = make_tiny_model(0, **FORMAT_DIMS).config
+    mixed = {"layers.0.mlp.down_proj.weight": "Q6_K", "layers.0.self_attn.q_proj.weight": "Q4_K",
+             "embed_tokens.weight": "Q8_0"}
+    monkeypatch.setattr(codes8, "available", lambda: False)
+    monkeypatch.setattr(formats, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="treeserve.ops.formats"):
+        assert resolve_format(AUTO_FORMAT, config, stored_types=mixed) is WeightFormat.BFLOAT16
+        assert resolve_format(AUTO_FORMAT, config, stored_types=mixed) is WeightFormat.BFLOAT16
+    warnings = [r.getMessage() for r in caplog.records if r.name == "treeserve.ops.formats"]
+    assert len(warnings) == 1 and "Q6_K" in warnings[0] and "Q4_K" not in warnings[0] and "bfloat16" in warnings[0]
+    four_bit = {"layers.0.mlp.down_proj.weight": "Q4_K", "layers.0.self_attn.q_proj.weight": "Q4_0"}
+    assert resolve_format(AUTO_FORMAT, config, stored_types=four_bit) is WeightFormat.GGUF
+    monkeypatch.setattr(codes8, "available", lambda: True)
+    assert resolve_format(AUTO_FORMAT, config, stored_types=mixed) is WeightFormat.GGUF
