@@ -22,9 +22,6 @@ from treeserve.ops.block_types import Q4Blocks, StoredBlocks
 from treeserve.ops.kernels import codes8, dense_cpu
 from treeserve.ops.linears import Codes8Linear, Q8Linear
 
-GROUP = 32
-"""Weights per code group along a row (and per zero)."""
-
 CHECK_ROWS = 4096
 """Rows compared at a time against the table (a bounded scratch)."""
 
@@ -32,18 +29,21 @@ _NONE = torch.empty(0)
 
 
 class PackedEmbedding(nn.Module):
-    """``nn.Embedding``'s lookup over a packed LM head (:class:`Q8Linear`, or :class:`Codes8Linear`
-    at a byte or five bits a code): ``forward(tokens)`` gives ``(..., D)`` bf16 rows.
+    """``nn.Embedding``'s lookup over packed codes: a :class:`Q8Linear` or :class:`Codes8Linear`
+    (at a byte or five bits a code), an LM head's or an untied embedding's own
+    (:func:`embedding_codes`). ``forward(tokens)`` gives ``(..., D)`` bf16 rows.
 
-    The head's tensors are held as buffers of this module too (the same storage, not saved with
-    a state dict), and nothing converts them: a drafter's ``.to(dtype)`` over the shared
-    embedding leaves the head's codes and scales as they are (:meth:`_apply`).
+    The kernel's tensors are held as buffers of this module too (the same storage, not saved
+    with a state dict), and nothing converts or moves them: a drafter's ``.to(dtype)`` over the
+    shared embedding leaves the head's codes and scales as they are (:meth:`_apply`; the int
+    formats are CPU-only).
     """
 
-    def __init__(self, head: Q8Linear | Codes8Linear, dtype: torch.dtype) -> None:
+    dtype = torch.bfloat16
+
+    def __init__(self, head: Q8Linear | Codes8Linear) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.dtype = dtype
         self.kind = 0 if isinstance(head, Q8Linear) else 1  # embed_rows.h's packings
         if isinstance(head, Q8Linear):
             tensors = {"codes": head.codes, "scales": head.scales, "zeros": None}
@@ -80,31 +80,23 @@ class PackedEmbedding(nn.Module):
         return self.rows(torch.arange(self.num_embeddings, device=self.device))
 
 
-def _packs_whole_codes(head: nn.Module) -> bool:
-    """True for a head whose codes a :class:`PackedEmbedding` reads: Q8_0 on q8_amx, or codes8
-    (at a byte or five bits a code)."""
-    if isinstance(head, Q8Linear):
-        return head.codes.numel() == head.out_features * head.in_features
-    return isinstance(head, Codes8Linear)
-
-
 def packed_embedding(head: nn.Module | None, table: Tensor) -> PackedEmbedding | None:
     """A :class:`PackedEmbedding` over ``head`` (a packed LM head, or :func:`embedding_codes`)
     that gives every row of ``table`` ``(V, D)`` bit for bit, or None (another kernel, another
     shape, or values that differ: a head quantized from float weights that were not Q8_0
     blocks)."""
-    if head is None or not _packs_whole_codes(head) or head.out_features != table.shape[0]:
+    if not isinstance(head, (Q8Linear, Codes8Linear)) or (head.out_features, head.in_features) != tuple(table.shape):
+        return None
+    if isinstance(head, Q8Linear) and head.codes.numel() != table.numel():  # q8_amx's codes, a byte each
         return None
     if table.dtype != torch.bfloat16 or table.device.type != "cpu" or not dense_cpu.available():
         return None
-    if not isinstance(head, (Q8Linear, Codes8Linear)) or head.in_features != table.shape[1]:
-        return None
-    shared = PackedEmbedding(head, table.dtype)
+    packed = PackedEmbedding(head)
     for start in range(0, table.shape[0], CHECK_ROWS):
         ids = torch.arange(start, min(start + CHECK_ROWS, table.shape[0]), device=table.device)
-        if not torch.equal(shared.rows(ids).view(torch.int16), table[ids].view(torch.int16)):
+        if not torch.equal(packed.rows(ids).view(torch.int16), table[ids].view(torch.int16)):
             return None
-    return shared
+    return packed
 
 
 def embedding_codes(stored: StoredBlocks | None, table: Tensor) -> Codes8Linear | None:
