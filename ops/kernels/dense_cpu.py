@@ -6,8 +6,8 @@ count. This kernel splits every product over torch's threads in units they claim
 free, and gives each output one summation order at every row count and on both builds, so a
 row's outputs are the same bits alone, in a tree, in a batch or in a prefill.
 
-Its op is ``torch.ops.treeserve_dense.mm(x, weight, bias)`` (and ``embed_rows``, a tied embedding's
-rows read out of its LM head's packed codes, ``embed_rows.h`` and :mod:`treeserve.ops.embedding`);
+Its op is ``torch.ops.treeserve_dense.mm(x, weight, bias)`` (and ``embed_rows``, an embedding's rows
+read out of packed codes, ``embed_rows.h`` and :mod:`treeserve.ops.embedding`);
 it is built once per machine
 (:mod:`cpp_build`). :func:`available` says whether this CPU and machine can run it; where they
 cannot, the float32 format keeps ``F.linear``.

@@ -1,6 +1,7 @@
-// dense_cpu.cpp's embed_rows: rows of a token embedding read out of an LM head's packed codes
-// (treeserve.ops.embedding.PackedEmbedding), w = scale * code (+ zero) in float32, rounded to bf16
-// to nearest even: the file's dequantization of those rows, as the bf16 table held them.
+// dense_cpu.cpp's embed_rows: rows of a token embedding read out of packed codes, an LM head's or
+// an untied embedding's own (treeserve.ops.embedding.PackedEmbedding), w = scale * code (+ zero)
+// in float32, rounded to bf16 to nearest even: the file's dequantization of those rows, as the
+// bf16 table held them.
 
 #pragma once
 
@@ -10,6 +11,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <stdint.h>
+
+#include "codes5.h"
 
 namespace {
 
@@ -40,7 +43,7 @@ at::Tensor embed_rows(const at::Tensor& ids, const at::Tensor& codes, const at::
   at::Tensor out = at::empty({T, K}, ids.options().dtype(at::kBFloat16));
   const auto* cp = static_cast<const int8_t*>(codes.data_ptr());
   const auto* bp = static_cast<const uint8_t*>(codes.data_ptr());
-  const int offset = codes.scalar_type() == at::kChar ? 16 : 0;  // five bits: a field less its code
+  const int8_t offset = codes.scalar_type() == at::kChar ? 16 : 0;  // five bits: a field less its code
   auto* op = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
   const auto* hp = reinterpret_cast<const c10::Half*>(scales.data_ptr());
   const float* sp = kind == 1 ? scales.data_ptr<float>() : nullptr;
@@ -62,19 +65,19 @@ at::Tensor embed_rows(const at::Tensor& ids, const at::Tensor& codes, const at::
         continue;
       }
       const int64_t nb = n / 16, c = n % 16;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t g = k / 32, p = (k % 32) / 4, i = k % 4, at = (p * 16 + c) * 4 + i;  // within the group
-        int code;
-        if (five_bits) {  // codes5.h: 256 bytes of nibble pairs, then a bitmap of the fifth bits
-          const uint8_t* group = bp + (nb * G + g) * 320;
-          const int field = ((group[at % 256] >> (at < 256 ? 0 : 4)) & 0x0F) | (((group[256 + at / 8] >> (at % 8)) & 1) << 4);
-          code = field - offset;
-        } else {
-          code = cp[(nb * G + g) * 512 + at];
+      alignas(64) int8_t wide[512];
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* group = cp + (nb * G + g) * 512;  // the group's 512 codes in the byte layout
+        if (five_bits) {  // widened to that layout by codes5.h's own unpacking
+          treeserve_cpu::unpack_codes5(bp + (nb * G + g) * treeserve_cpu::kCodes5Bytes, 1, offset, wide);
+          group = wide;
         }
-        float v = sp[(nb * (K / S) + k / S) * 16 + c] * static_cast<float>(code);
-        if (with_zeros) v = v + zp[(nb * G + g) * 16 + c];
-        row[k] = c10::BFloat16(v);
+        for (int64_t k = g * 32; k < g * 32 + 32; ++k) {
+          const int64_t quad = (k % 32) / 4;  // of the group's 8; k % 4 within it
+          float v = sp[(nb * (K / S) + k / S) * 16 + c] * static_cast<float>(group[(quad * 16 + c) * 4 + k % 4]);
+          if (with_zeros) v = v + zp[(nb * G + g) * 16 + c];
+          row[k] = c10::BFloat16(v);
+        }
       }
     }
   });

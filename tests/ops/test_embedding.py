@@ -59,25 +59,35 @@ def test_one_changed_code_fails_the_check() -> None:
     assert packed_embedding(head, table) is None
 
 
+def _stored_embedding(kind: str, seed: int, blocks_seed: int, *, tied: bool) -> tuple[torch.nn.Module, dict[str, object]]:
+    """A tiny float32 model (K-quant sizes) whose embedding holds exactly the values of random
+    ``kind`` blocks, and those blocks as ``apply_format``'s ``stored``."""
+    from treeserve.ops.block_types import BLOCK_TYPES
+
+    from .conftest import random_raw
+    from .test_gguf_format import DIMS, SCALE
+
+    model = make_tiny_model(seed, **{**DIMS, "tie_embeddings": tied})
+    block = BLOCK_TYPES[kind]
+    rows, cols = model.embed_tokens.weight.shape
+    stored = block.stored(random_raw(block, rows, cols // block.block_size, seed=blocks_seed, scale=SCALE[kind] * 20), rows)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(stored.dequantize())
+    return model, {"embed_tokens.weight": stored}
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_1", "Q6_K", "Q8_0"])
 def test_a_codes8_head_serves_the_embedding_bit_for_bit(kind: str) -> None:
     """A tied embedding stored in another block type (the gguf format puts its head on codes8,
     scales per 16 or 32, zeros where the type has them) gives the file's dequantized rows, and
     the model the same logits as with the table, whether the head holds its codes at a byte or
     at five bits (:mod:`~treeserve.ops.kernels.codes8`'s packing where it pays)."""
-    from treeserve.ops.block_types import BLOCK_TYPES
+    from .test_gguf_format import logits
 
-    from .conftest import random_raw
-    from .test_gguf_format import DIMS, SCALE, logits
-
-    model = make_tiny_model(9, **DIMS)
-    block = BLOCK_TYPES[kind]
-    rows, cols = model.embed_tokens.weight.shape
-    stored = block.stored(random_raw(block, rows, cols // block.block_size, seed=3, scale=SCALE[kind] * 20), rows)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(stored.dequantize())
+    model, stored = _stored_embedding(kind, 9, 3, tied=True)
     table = _table(model)
-    apply_format(model, "gguf", stored={"embed_tokens.weight": stored})
+    rows, cols = table.shape
+    apply_format(model, "gguf", stored=stored)
     embedding = model.embed_tokens
     assert isinstance(embedding, PackedEmbedding) and embedding.kind == 1, type(embedding)
     assert (embedding.zeros is not None) == (kind in ("Q4_0", "Q4_K", "Q5_1"))
@@ -101,23 +111,11 @@ def test_an_untied_embedding_of_a_shape_codes8_does_not_take_keeps_its_table(tmp
 def test_an_untied_embedding_reads_its_own_blocks_and_saves_them_with_the_format(kind: str) -> None:
     """An untied embedding stored in a block type: packed once, its rows the table's bit for bit,
     the same logits, left out of the bytes a token reads, and back from the saved buffers."""
-    from treeserve.ops.block_types import BLOCK_TYPES
     from treeserve.ops.formats import prepared_buffers, weight_bytes_per_token
 
-    from .conftest import random_raw
-    from .test_gguf_format import DIMS, SCALE, logits
+    from .test_gguf_format import logits
 
-    block = BLOCK_TYPES[kind]
-
-    def untied() -> tuple[torch.nn.Module, dict[str, object]]:
-        model = make_tiny_model(10, **{**DIMS, "tie_embeddings": False})
-        rows, cols = model.embed_tokens.weight.shape
-        stored = block.stored(random_raw(block, rows, cols // block.block_size, seed=5, scale=SCALE[kind] * 20), rows)
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(stored.dequantize())
-        return model, {"embed_tokens.weight": stored}
-
-    model, stored = untied()
+    model, stored = _stored_embedding(kind, 10, 5, tied=False)
     table = _table(model)
     rows, cols = table.shape
     apply_format(model, "gguf", stored=stored)
@@ -132,7 +130,7 @@ def test_an_untied_embedding_reads_its_own_blocks_and_saves_them_with_the_format
     assert torch.equal(got, logits(model, tokens))
     del model.embed_codes
     assert weight_bytes_per_token(model) == read  # the embedding's codes are not read a token
-    again, _ = untied()
+    again, _ = _stored_embedding(kind, 10, 5, tied=False)
     apply_format(again, "gguf", prepared=saved)  # a later start: the saved buffers, no blocks
     assert isinstance(again.embed_tokens, PackedEmbedding)
     assert torch.equal(logits(again, tokens), got)
