@@ -185,7 +185,9 @@ class _LiveCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
         for name, key, doc in (("treeserve_preemptions", "num_preempted", "Running requests preempted (moved to a "
                                 "park row for a far shorter queued one)"),
-                               ("treeserve_resumptions", "num_resumed", "Preempted requests moved back to run")):
+                               ("treeserve_resumptions", "num_resumed", "Preempted requests moved back to run"),
+                               ("treeserve_repredictions", "num_repredicted", "Running requests re-predicted from "
+                                "their hidden states")):
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))
         restarts = CounterMetricFamily("treeserve_child_restarts", "Restarts of child actors, by supervisor",

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -83,6 +83,7 @@ class Job:
     prompt_ids: list[int]
     output: list[int]
     is_capped: bool = False
+    states: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tokens written, final hidden state)
 
 
 def _ensure_synthetic() -> None:
@@ -122,13 +123,16 @@ def generate_batched(
     batch_size: int,
     time_budget_s: float,
     on_done: Callable[[Job], None],
+    state_every: int = 0,
 ) -> int:
     """Greedy-decode ``jobs`` in order with continuous batching; return how many were started.
 
     Rows free at the top of a step are refilled together (one :func:`prefill_rows` call), then
     every busy row advances one token per batched forward. A row finishes on a stop id (kept,
     counted) or at ``max_tokens``. No job is started once ``time_budget_s`` has passed; the
-    running ones finish.
+    running ones finish. With ``state_every`` > 0 a job keeps, each time its answer reaches a
+    multiple of that many tokens, the final hidden state of the forward that wrote the last of
+    them (``Job.states``): what a running row's re-prediction reads in serving.
     """
     if not jobs:
         return 0
@@ -158,7 +162,10 @@ def generate_batched(
         view = row_block(cache, 0, hi)
         tokens = torch.tensor([[next_token[r]] for r in range(hi)], dtype=torch.long)
         with torch.inference_mode():
-            logits = model(tokens, view)  # (hi, 1, V)
+            if state_every:
+                logits, hidden = model(tokens, view, return_hidden=True)  # (hi, 1, V), (hi, 1, D)
+            else:
+                logits = model(tokens, view)  # (hi, 1, V)
         picks = logits[:, -1].argmax(dim=-1).tolist()
         for r in range(hi):
             job = rows[r]
@@ -168,6 +175,8 @@ def generate_batched(
             token = int(picks[r])
             job.output.append(token)
             next_token[r] = token
+            if state_every and len(job.output) % state_every == 0:
+                job.states.append((len(job.output), hidden[r, -1].float().clone()))
             if token in stop_ids or len(job.output) >= max_tokens:
                 job.is_capped = token not in stop_ids
                 rows[r] = None

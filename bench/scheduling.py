@@ -79,8 +79,12 @@ SJF_ORACLE = "sjf-oracle"
 SJF_INVERTED = "ljf-oracle"
 PREEMPTING = "+preempt"
 SSJF_PREEMPTING = PolicyName.SSJF.value + PREEMPTING
-"""ssjf with limited preemption over ``--preempt-rows`` park rows (the oracles preempt too when
-``--preempt-rows`` is set; ssjf, hrrn and fcfs never do)."""
+"""ssjf with limited preemption over ``--preempt-rows`` park rows, running requests re-predicted from
+their hidden states by the shipped head (the oracles preempt too when ``--preempt-rows`` is set, on
+their exact lengths; ssjf, hrrn and fcfs never do)."""
+TOKENS_ONLY = "-tokens"
+SSJF_PREEMPTING_TOKENS = SSJF_PREEMPTING + TOKENS_ONLY
+"""The same, running requests re-predicted from their tokens alone (no head): what the head adds."""
 """The control: ssjf over a lookup of *inverted* true lengths, longest job first (a predictor as
 wrong as one can be; the share bar must fail for it)."""
 SSJF_MAX_TOKENS = "ssjf-max-tokens"
@@ -373,14 +377,17 @@ def _server_config(args: argparse.Namespace, policy: str, bind: str, oracle: Pat
                             dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
                             verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=PolicyName.SSJF.value, max_wait_s=ORACLE_MAX_WAIT_S,
                                                                    preempt_rows=args.preempt_rows), predictor=str(oracle),
+                            remaining_head="none",
                             online_predictor=False, speculators=() if args.speculate == SpeculationMode.NONE else None)
+    head = "none" if policy.endswith(TOKENS_ONLY) else None
+    policy = policy.removesuffix(TOKENS_ONLY)
     preempts = policy.endswith(PREEMPTING)
     policy = policy.removesuffix(PREEMPTING)
     return ServerConfig(model=args.model, bind=bind, num_rows=args.num_rows, row_capacity=args.row_capacity,
                         dtype=args.format, heartbeat_interval_s=args.heartbeat_s,
                         verifier_threads=args.verifier_threads, scheduling=SchedulerSettings(policy=policy, max_wait_s=args.max_wait_s,
                                                                    preempt_rows=args.preempt_rows if preempts else 0),
-                        predictor=args.predictor,
+                        predictor=args.predictor, remaining_head=head,
                         online_predictor=not args.no_online_predictor,
                         speculators=() if args.speculate == SpeculationMode.NONE else None)
 
@@ -429,7 +436,7 @@ async def _replay(args: argparse.Namespace, trace: Sequence[dict[str, Any]], pol
             assert server.scheduler is not None
             stats = await server.scheduler.ask("stats")
             SERVER_COUNTS.clear()
-            SERVER_COUNTS.update({k: int(stats.get(k, 0)) for k in ("num_preempted", "num_resumed")})
+            SERVER_COUNTS.update({k: int(stats.get(k, 0)) for k in ("num_preempted", "num_resumed", "num_repredicted")})
     return list(results)
 
 
@@ -655,7 +662,7 @@ def run_known_loads(args: argparse.Namespace, trace: Sequence[dict[str, Any]]) -
                 results[policy] = asyncio.run(replay(args, entries, policy,
                                                      lookups.get(policy)))
                 preemptions[policy] = SERVER_COUNTS.get("num_preempted", 0)
-                _log(f"{label}: {policy}: " + json.dumps(summarize(results[policy])))
+                _log(f"{label}: {policy}: " + json.dumps({**summarize(results[policy]), **SERVER_COUNTS}))
             results = {p: results[p] for p in args.policy}  # table order: as asked
             per_policy = with_ratios({p: summarize(r) for p, r in results.items()})
             if PolicyName.FCFS.value in per_policy and SJF_ORACLE in per_policy:
@@ -772,7 +779,7 @@ def _load_latency(args: argparse.Namespace) -> LatencyModel:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="FCFS vs SSJF scheduling benchmark (real server or simulator)")
     parser.add_argument("--trace", type=Path, default=DATA_DIR / "trace_chat512.jsonl")
-    parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SSJF_PREEMPTING, SJF_ORACLE, SJF_INVERTED],
+    parser.add_argument("--policy", nargs="+", default=None, choices=[*POLICY_NAMES, SSJF_PREEMPTING, SSJF_PREEMPTING_TOKENS, SJF_ORACLE, SJF_INVERTED],
                         help=f"default: fcfs ssjf (fcfs ssjf hrrn {SJF_ORACLE} with --burst / --at-load); "
                              f"{SJF_ORACLE} needs the true lengths of a first pass: --burst / --at-load or --simulate")
     parser.add_argument("--burst", action="store_true",
@@ -841,8 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policy is None:
         args.policy = ([PolicyName.FCFS.value, PolicyName.SSJF.value, PolicyName.HRRN.value, SJF_ORACLE] if known_load
                        else [PolicyName.FCFS.value, PolicyName.SSJF.value])
-    if SSJF_PREEMPTING in args.policy and not (known_load and args.preempt_rows > 0):
-        parser.error(f"--policy {SSJF_PREEMPTING} needs --preempt-rows N and --burst / --at-load")
+    if {SSJF_PREEMPTING, SSJF_PREEMPTING_TOKENS} & set(args.policy) and not (known_load and args.preempt_rows > 0):
+        parser.error(f"--policy {SSJF_PREEMPTING}[{TOKENS_ONLY}] needs --preempt-rows N and --burst / --at-load")
     if SJF_INVERTED in args.policy and not known_load:
         parser.error(f"--policy {SJF_INVERTED} needs the true lengths of a first pass: --burst / --at-load")
     if SJF_ORACLE in args.policy and not (args.simulate or known_load):

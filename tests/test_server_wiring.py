@@ -4,6 +4,7 @@ carries the ``ServerConfig`` values meant for it."""
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from treeserve import server_wiring as wiring
 from treeserve.cli import build_parser
 from treeserve.cli_common import UserError
 from treeserve.cli_serve import scheduler_settings
+from treeserve.ops.remaining_head import load_remaining_head
 from treeserve.server_config import ServerConfig
 
 SETTINGS = SchedulerSettings(policy="ssjf", max_wait_s=4.5, max_queue=77, predict_timeout_s=3.0, max_predict_batch=5,
@@ -71,3 +73,18 @@ def test_verifier_shards_supervisors_and_the_gateway() -> None:
         RestartStrategy.ONE_FOR_ALL, 7, 9.0, 0.25)
     gateway = wiring.gateway_config(CONFIG, vocab_size=101)
     assert gateway.context_length == 777 - 9 and gateway.vocab_size == 101 and gateway.scheduler_timeout_s == 12.0
+
+
+def test_the_remaining_head_is_wired_with_preemption_for_the_model_it_fits(tmp_path: Path) -> None:
+    preempting = ServerConfig(scheduling=SchedulerSettings(policy="ssjf", preempt_rows=2))
+    head, unfit = wiring.remaining_head(preempting, 576)  # the default model: the shipped head
+    assert head is not None and head.dim == 576 and unfit is None
+    assert wiring.remaining_head(replace(preempting, remaining_head="none"), 576) == (None, None)
+    assert wiring.remaining_head(ServerConfig(), 576) == (None, None)  # no preemption, no re-prediction
+    head, unfit = wiring.remaining_head(replace(preempting, model="other/model"), 64)
+    assert head is None and unfit is not None and "no re-prediction head" in unfit
+    load_remaining_head().save(tmp_path / "head.npz")
+    with pytest.raises(ValueError, match="576"):  # a head given for another model's width is refused
+        wiring.remaining_head(replace(preempting, model="other/model", remaining_head=str(tmp_path / "head.npz")), 64)
+    config = wiring.scheduler_config(preempting, 100, False, load_remaining_head())
+    assert config.remaining_head is not None and config.preempt_rows == 2

@@ -69,6 +69,9 @@ def add_serve_parser(sub: Any) -> None:
                        help="length predictor .npz from `treeserve train-predictor` (default: the shipped one)")
     serve.add_argument("--no-online-predictor", action="store_true",
                        help="do not refine the predictor from completed requests")
+    serve.add_argument("--remaining-head", default=None, metavar="NPZ",
+                       help="with --preempt-rows: the head that re-predicts running requests from their hidden "
+                            "states (default: the shipped one, for the default model; none: from their tokens alone)")
     scheduling.add_argument("--no-adaptive", dest="adaptive_speculation", action="store_false",
                             help="always draft max-size token trees instead of sizing them by batch and measured gain")
     add_format_flag(serve)
@@ -183,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduling=scheduler_settings(args),
         predictor=None if args.predictor is None else str(args.predictor),
         online_predictor=not args.no_online_predictor,
+        remaining_head=args.remaining_head,
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
         speculators=None if specs is None else tuple(s.to_wire() for s in specs),

@@ -272,7 +272,10 @@ class Server:
 
         cfg = self.config
         use_states = bool(self.speculators) and any(s.kind is SpeculatorKind.FEATURE for s in speculators)
-        scheduler_config = wiring.scheduler_config(cfg, int(self.model_info["vocab_size"]), use_states)
+        head, unfit = await asyncio.to_thread(wiring.remaining_head, cfg, int(self.model_info["dim"]))
+        if unfit is not None:
+            self._report(unfit)
+        scheduler_config = wiring.scheduler_config(cfg, int(self.model_info["vocab_size"]), use_states, head)
         verifiers, speculator_refs = await self._scheduler_peers()
         self.scheduler_supervisor = self.runtime.local_supervisor(
             wiring.supervisor_config(cfg), name="scheduler-supervisor", on_give_up=self._on_give_up)

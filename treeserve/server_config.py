@@ -56,7 +56,10 @@ class ServerConfig:
     length-predictor actor (a child process with one thread): ``predictor`` is a ``.npz`` from
     ``treeserve train-predictor`` (None: the shipped one, which is used only for the model it
     was trained on; for other models these policies order by ``max_tokens``);
-    ``online_predictor`` refines it from completed requests.
+    ``online_predictor`` refines it from completed requests. ``remaining_head``: with preemption,
+    the ``.npz`` of the head that re-predicts running requests from their hidden states
+    (``python -m treeserve.training.remaining``; None: the shipped one, for the model it was fitted
+    on; ``"none"``: re-predict from the tokens alone).
     """
 
     model: str = DEFAULT_MODEL
@@ -91,6 +94,7 @@ class ServerConfig:
     node_wait_timeout_s: float = 300.0
     predictor: str | None = None
     online_predictor: bool = True
+    remaining_head: str | None = None
 
     def resolved_speculators(self) -> tuple[Mapping[str, Any], ...]:
         """``speculators``, or the defaults for ``model`` when it is None (config entries)."""

@@ -17,6 +17,7 @@ from treeserve.actors.gateway.config import GatewayConfig
 from treeserve.actors.scheduler.types import SchedulerConfig
 from treeserve.actors.speculator_factory import SpeculatorSpec
 from treeserve.actors.verifier_config import VerifierConfig
+from treeserve.ops.remaining_head import RemainingHead, load_remaining_head
 from treeserve.runtime import RestartStrategy, RuntimeConfig, SupervisorConfig
 from treeserve.server_config import ServerConfig
 
@@ -73,13 +74,29 @@ def predictor_config(cfg: ServerConfig, device: str) -> dict[str, Any]:
             "num_threads": 1, "online": cfg.online_predictor}
 
 
-def scheduler_config(cfg: ServerConfig, vocab_size: int, use_states: bool) -> SchedulerConfig:
+def scheduler_config(cfg: ServerConfig, vocab_size: int, use_states: bool,
+                     remaining_head: RemainingHead | None = None) -> SchedulerConfig:
     """The scheduler's own settings (``cfg.scheduling``), the shapes ``ServerConfig`` shares with
-    it by name, and what the verifier reported (``vocab_size``) and the speculators need
-    (``use_states``)."""
+    it by name, what the verifier reported (``vocab_size``), what the speculators need
+    (``use_states``) and the re-prediction head (:func:`remaining_head`)."""
     settings = {f.name: getattr(cfg.scheduling, f.name) for f in fields(cfg.scheduling)}
     return SchedulerConfig(**{**settings, **shared_fields(cfg, SchedulerConfig), "vocab_size": vocab_size,
-                              "use_states": use_states})
+                              "use_states": use_states, "remaining_head": remaining_head})
+
+
+def remaining_head(cfg: ServerConfig, dim: int) -> tuple[RemainingHead | None, str | None]:
+    """The head that re-predicts running requests (with preemption only), and a line to report
+    when the shipped one does not fit the model. A given head that does not fit raises."""
+    if not cfg.scheduling.preempt_rows or cfg.remaining_head == "none":
+        return None, None
+    head = load_remaining_head(cfg.remaining_head)
+    if cfg.remaining_head is None and (head.model != cfg.model or head.dim != dim):
+        return None, (f"no re-prediction head for {cfg.model!r} (the shipped one is for {head.model!r}): "
+                      "running requests are re-predicted from their tokens")
+    if head.dim != dim:
+        raise ValueError(f"remaining head {cfg.remaining_head} reads states of {head.dim} values; "
+                         f"model {cfg.model!r} has {dim}")
+    return head, None
 
 
 def gateway_config(cfg: ServerConfig, vocab_size: int) -> GatewayConfig:

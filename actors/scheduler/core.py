@@ -20,9 +20,8 @@ clock. A request ends only through an event the core returns; the core never str
 KV budget: every request owns one cache row of ``row_capacity`` slots for its whole life, and
 is admitted only when ``prompt + max_tokens + max_tree_nodes`` fits a row. A request that can
 never fit is refused with ``invalid_request`` at submission; others wait for a free row, so
-memory never runs out mid-generation. With ``preempt_rows`` a running request may be preempted
-(:mod:`~treeserve.actors.scheduler.preemption`): its cache moves to a park row (rows
-``num_rows`` and up, never run by a step) and back when it resumes, so it still owns one row.
+memory never runs out mid-generation. A preempted request (:mod:`~treeserve.actors.scheduler.preemption`)
+moves its cache to a park row (``num_rows`` and up, never run by a step) and back when it resumes.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from treeserve.actors.scheduler.adaptive_config import AdaptiveConfig
 from treeserve.actors.messages.gateway import GenerateBody
 from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
-from treeserve.actors.scheduler.preemption import RepeatWatch, pick_victim
+from treeserve.actors.scheduler.preemption import RepeatWatch, Repredictor, pick_victim
 from treeserve.actors.scheduler.prefill import prefill_chunks
 from treeserve.actors.scheduler.types import Admission, Event, LengthReport, Move, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
 from treeserve.actors.gateway.request import InvalidRequest
@@ -76,6 +75,8 @@ class SchedulerCore:
             # Powers of two up to the tree cap: repeated traffic (the suffix drafter's) pays up to it.
             candidates = tuple(1 << i for i in range(config.max_tree_nodes.bit_length()))
             self._adaptive = AdaptiveSpeculation(AdaptiveConfig(candidates=candidates))
+        head = config.remaining_head if config.preempt_rows else None  # re-prediction serves preemption only
+        self._repredictor = None if head is None else Repredictor(head)
 
     @property
     def num_open(self) -> int:
@@ -92,8 +93,7 @@ class SchedulerCore:
             raise ActorError(f"scheduler queue is full ({self.config.max_queue} waiting)", code=ErrorCode.OVERLOADED)
         req = self._requests[request_id] = RequestState(request_id, list(call.prompt_ids), call.params,
                                                         call.speculate, now, length_hint=call.length_hint)
-        if self.config.preempt_rows:
-            req.repeats = RepeatWatch()
+        req.repeats = RepeatWatch() if self.config.preempt_rows else None
         if call.length_hint is not None:
             self.stats.num_hinted += 1
         return req
@@ -184,7 +184,7 @@ class SchedulerCore:
         speculating = any(r.speculates for r in batch)
         adaptive = self._adaptive if speculating else None
         budget = self.config.max_tree_nodes if adaptive is None else adaptive.tree_budget(len(batch))
-        wants_states = self.config.use_states and speculating
+        wants_states = (self.config.use_states and speculating) or bool(self._repredictor and self._repredictor.is_due)
         rows = []
         for req in batch:
             assert req.row is not None
@@ -263,6 +263,8 @@ class SchedulerCore:
         self.stats.num_decode_steps += forwards
         if not any(r.is_speculating and r.max_nodes > 1 for r in plan.rows):
             self._plain_step_s = replies.verify_s / forwards
+        if self._repredictor is not None:
+            self._repredictor.stepped(forwards, plan.wants_states)
         events: list[Event] = []
         releases: list[Release] = []
         for row, verdict in zip(plan.rows, replies.verdicts):
@@ -281,13 +283,13 @@ class SchedulerCore:
             taken, finish = emit_until_done(req.emitted, list(verdict.new_tokens), req.params)
             if req.repeats is not None:
                 req.repeats.feed(req.emitted, len(taken))
-            if plan.decode_steps > 1:  # one forward per token, no drafts
-                req.accepted_per_step.extend([0] * len(verdict.new_tokens))
-            else:
-                req.accepted_per_step.append(len(verdict.accepted) - 1)
+            # A decode-ahead call ran one forward per token, no drafts.
+            req.accepted_per_step.extend([0] * len(verdict.new_tokens) if plan.decode_steps > 1 else [len(verdict.accepted) - 1])
             req.since_propose.extend(taken)
-            if verdict.states is not None and req.speculates:
+            if verdict.states is not None and req.speculates and self.config.use_states:
                 req.add_states(verdict.states)
+            if verdict.states is not None and self._repredictor is not None and finish is None:
+                self.stats.num_repredicted += self._repredictor.update(req, verdict.states)
             if req.first_token_s is None:
                 req.first_token_s = now
             if not req.is_cancelled:
@@ -439,9 +441,7 @@ class SchedulerCore:
 
     @staticmethod
     def _report(req: RequestState, *, is_censored: bool) -> LengthReport | None:
-        if req.predicted_len is None:
-            return None
-        return LengthReport(req.request_id, len(req.emitted), is_censored)
+        return None if req.predicted_len is None else LengthReport(req.request_id, len(req.emitted), is_censored)
 
     def _speculating(self, plan: StepPlan) -> list[RequestState]:
         return [self._running[row.request_id] for row in plan.rows if row.is_speculating]

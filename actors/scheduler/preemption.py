@@ -18,7 +18,11 @@ and a loop shows in the tokens: :class:`RepeatWatch` flags a request once a run 
 :data:`LOOP_NGRAM` tokens repeats within its answer (on the 40 chat prompts of
 ``bench/data/trace_chat512.jsonl``, q4_1: 22 of the 24 capped answers flagged, after 32-331
 tokens, median 109; 3 of the 16 others, all longer than 150 tokens). A flagged request is
-expected to run to its cap; an unflagged one to its prediction (or hint, or cap).
+expected to run to its cap. The answer's hidden state says more, and sooner: with a
+:class:`~treeserve.ops.remaining_head.RemainingHead` (the shipped one is the default model's),
+:class:`Repredictor` asks the verifier for the rows' final hidden states every ``head.every``
+decode forwards and re-predicts each running request's remainder from its last one. An
+unflagged request is expected to run to that re-prediction, else to its prediction (or hint, or cap).
 
 The rules (:func:`pick_victim`, :func:`may_preempt`). At most one request is preempted per plan, and only when every
 running row is taken and a park row is free. The victim is the running request with the longest
@@ -43,7 +47,12 @@ preempted at most ``max_preemptions`` times, never after its deadline).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from treeserve.ops.remaining_head import RemainingHead
+from treeserve.ops.sampling import SamplingParams
 
 LOOP_NGRAM = 24
 """Tokens in a run whose repetition flags a looping answer (see the module docstring)."""
@@ -83,11 +92,16 @@ class RepeatWatch:
             self._seen.add(run)
 
 
-def predicted_remaining(num_emitted: int, max_tokens: int, expected_len: float | None, loop_at: int | None) -> float:
-    """Tokens a running request is predicted still to write (>= 1): up to its cap once it loops,
-    else up to its expected length (prediction or hint; the cap without either)."""
+def predicted_remaining(num_emitted: int, max_tokens: int, expected_len: float | None, loop_at: int | None,
+                        repredicted: tuple[float, int] | None = None) -> float:
+    """Tokens a running request is predicted still to write (>= 1): up to its cap once it loops;
+    else what the hidden-state head last predicted (``(remaining, at num_emitted)``), less what
+    it has written since; else up to its expected length (prediction or hint; the cap without either)."""
     if loop_at is not None:
         return float(max(1, max_tokens - num_emitted))
+    if repredicted is not None:
+        remaining, at = repredicted
+        return max(1.0, min(remaining - (num_emitted - at), float(max_tokens - num_emitted)))
     expected = float(max_tokens) if expected_len is None else min(float(expected_len), float(max_tokens))
     return max(1.0, expected - num_emitted)
 
@@ -98,6 +112,49 @@ def may_preempt(remaining: float, head_len: float, num_preempted: int, max_preem
     (the caller checks the aging deadline and that the request has streamed a token)."""
     return (num_preempted < max_preemptions and remaining >= MIN_REMAINING_TOKENS
             and remaining >= PREEMPT_RATIO * head_len)
+
+
+class Repredictor:
+    """Re-predicts running requests' remainders from their final hidden states with ``head``
+    (:class:`~treeserve.ops.remaining_head.RemainingHead`): a step's call asks the verifier for
+    the states (:attr:`is_due`) every ``head.every`` decode forwards, and each running request is
+    then re-predicted from its last state (the forward that wrote its last token, as the head was
+    fitted)."""
+
+    __slots__ = ("head", "_forwards")
+
+    def __init__(self, head: RemainingHead) -> None:
+        self.head = head
+        self._forwards = head.every  # the first step asks
+
+    @property
+    def is_due(self) -> bool:
+        """Whether the next call asks: its own forward makes ``head.every`` since the last state."""
+        return self._forwards + 1 >= self.head.every
+
+    def stepped(self, num_forwards: int, had_states: bool) -> None:
+        """A step of ``num_forwards`` decode forwards ran (its call asked for states or not)."""
+        self._forwards = 0 if had_states else self._forwards + num_forwards
+
+    def update(self, req: Repredictable, states: Any) -> bool:
+        """Re-predict ``req`` from the last of its new states ``(n, D)``; False (unchanged) when
+        there is none."""
+        array = np.asarray(states)
+        if array.ndim != 2 or not len(array) or not req.emitted:
+            return False
+        written = len(req.emitted)
+        req.repredicted = (self.head.remaining(array[-1], written, len(req.prompt_ids), req.params.max_new_tokens),
+                           written)
+        return True
+
+
+class Repredictable(Protocol):
+    """What :meth:`Repredictor.update` reads and writes of a request (a scheduler ``RequestState``)."""
+
+    prompt_ids: list[int]
+    emitted: list[int]
+    params: SamplingParams
+    repredicted: tuple[float, int] | None
 
 
 class Preemptible(Protocol):
@@ -128,4 +185,5 @@ def pick_victim(running: Iterable[_R], head_len: float, max_preemptions: int,
     return max(candidates, key=lambda r: r.predicted_remaining, default=None)
 
 
-__all__ = ["LOOP_NGRAM", "MIN_REMAINING_TOKENS", "PREEMPT_RATIO", "Preemptible", "RepeatWatch", "may_preempt", "pick_victim", "predicted_remaining"]
+__all__ = ["LOOP_NGRAM", "MIN_REMAINING_TOKENS", "PREEMPT_RATIO", "Preemptible", "RepeatWatch", "Repredictable",
+           "Repredictor", "may_preempt", "pick_victim", "predicted_remaining"]

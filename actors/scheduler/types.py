@@ -23,6 +23,7 @@ from treeserve.actors.messages.speculator import ProposeBody
 from treeserve.actors.messages.verifier import MAX_DECODE_STEPS, RowVerdict
 from treeserve.actors.scheduler.policy import PREDICTION_POLICIES, SchedulingPolicy, make_policy
 from treeserve.actors.scheduler.preemption import RepeatWatch, predicted_remaining
+from treeserve.ops.remaining_head import RemainingHead
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.token_tree import TokenTree
 from treeserve.runtime import ActorError
@@ -136,7 +137,10 @@ class SchedulerConfig(SchedulerSettings):
     ``num_rows``/``row_capacity`` must match the verifier shards' cache; ``max_tree_nodes``
     caps a merged token tree (root included); ``step_timeout_s`` bounds each call to a shard;
     ``vocab_size`` is the model's; ``use_states``: a speculator drafts from the LLM's hidden
-    states (a ``feature`` drafter): the verifier returns them and they travel with proposals."""
+    states (a ``feature`` drafter): the verifier returns them and they travel with proposals;
+    ``remaining_head``: with preemption, running requests are re-predicted from their hidden
+    states by this head (:class:`~treeserve.actors.scheduler.preemption.Repredictor`; None: from
+    their tokens alone)."""
 
     num_rows: int = 8
     row_capacity: int = 2048
@@ -144,6 +148,7 @@ class SchedulerConfig(SchedulerSettings):
     max_tree_nodes: int = 64
     step_timeout_s: float = 300.0
     use_states: bool = False
+    remaining_head: RemainingHead | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_counts(self, ("num_rows", "row_capacity", "vocab_size", "max_tree_nodes"))
@@ -188,6 +193,7 @@ class RequestState:
     is_parked: bool = False  # preempted: its row is a park row, and it queues to resume
     num_preempted: int = 0
     repeats: RepeatWatch | None = None  # set while preemption is on: whether the answer loops
+    repredicted: tuple[float, int] | None = None  # the hidden-state head's remainder, and at how many tokens
 
     @property
     def root(self) -> int:
@@ -202,7 +208,8 @@ class RequestState:
     def predicted_remaining(self) -> float:
         """Tokens it is predicted still to write (:func:`~treeserve.actors.scheduler.preemption.predicted_remaining`)."""
         loop_at = None if self.repeats is None else self.repeats.loop_at
-        return predicted_remaining(len(self.emitted), self.params.max_new_tokens, self.expected_len, loop_at)
+        return predicted_remaining(len(self.emitted), self.params.max_new_tokens, self.expected_len, loop_at,
+                                   self.repredicted)
 
     @property
     def expected_len(self) -> float | None:
@@ -381,6 +388,7 @@ class SchedulerStats:
     num_row_failures: int = 0
     num_preempted: int = 0  # running requests moved to a park row
     num_resumed: int = 0  # parked requests moved back
+    num_repredicted: int = 0  # re-predictions of running requests from their hidden states
     propose_s: float = 0.0
     verify_s: float = 0.0
 

@@ -276,15 +276,19 @@ def test_predictor_data_batched_greedy_equals_one_prompt_at_a_time() -> None:
     model = _tiny_model()
     prompts = [[1, 5, 9], [2, 7], [3, 3, 3, 4, 8], [6], [9, 1, 4, 4]]
 
+    states: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the hidden state that wrote each token, alone
+
     def alone(ids: list[int], stop: set[int], max_tokens: int) -> list[int]:
         cache = model.new_cache(1, len(ids) + max_tokens + 1)
         out: list[int] = []
         tokens = list(ids)
+        states[tuple(ids)] = []
         while len(out) < max_tokens:
             with torch.inference_mode():
-                logits = model(torch.tensor([tokens]), cache)
+                logits, hidden = model(torch.tensor([tokens]), cache, return_hidden=True)
             cache.commit(0, list(range(len(tokens))))
             out.append(int(logits[0, -1].argmax()))
+            states[tuple(ids)].append(hidden[0, -1])
             tokens = [out[-1]]
             if out[-1] in stop:
                 break
@@ -298,6 +302,13 @@ def test_predictor_data_batched_greedy_equals_one_prompt_at_a_time() -> None:
     assert module.generate_batched(model, jobs, stop, 8, 2, 1e9, done.append) == len(prompts)
     assert [j.output for j in jobs] == expected and len(done) == len(prompts)
     assert [j.is_capped for j in jobs] == [len(e) == 8 and e[-1] not in stop for e in expected]
+    # With state_every, each multiple of 3 tokens keeps the state of the forward that wrote its last token.
+    jobs = [module.Job("s", str(i), "", p, []) for i, p in enumerate(prompts)]
+    module.generate_batched(model, jobs, stop, 8, 2, 1e9, lambda _: None, state_every=3)
+    for job in jobs:
+        assert [w for w, _ in job.states] == list(range(3, len(job.output) + 1, 3))
+        for written, state in job.states:
+            torch.testing.assert_close(state, states[tuple(job.prompt_ids)][written - 1], atol=1e-5, rtol=1e-5)
 
 
 def test_batched_prompt_features_equal_one_prompt_at_a_time() -> None:

@@ -4,17 +4,25 @@ back, writes the same tokens as the same request served alone.
 
 The check is not one any server passes: with ``KVCache.move_row`` copying only the keys (the
 values left behind), the resumed answer differs (tried: the assertion on the tokens failed).
+
+The second test has the prompt predictor call both requests short, so only the hidden-state
+re-prediction (a head that reads every state as "runs to the cap") can preempt the long one:
+asking the verifier for states mid-answer must not change a token either. Without the head the
+long request keeps its row (asserted), so the preemption there is the head's doing.
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client
+from treeserve.ops.remaining_head import RemainingHead
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by tests/actors/conftest.py
@@ -35,22 +43,34 @@ def predictor_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                            [2, 3, 3, 4, 20, 24, 28, 30], [190, 200, 180, 200, 4, 3, 4, 5], 200)
 
 
-def config(folder: Path, predictor: Path, preempt_rows: int) -> ServerConfig:
+@pytest.fixture(scope="module")
+def all_short_predictor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_prompt_len_predictor(tmp_path_factory.mktemp("predictor") / "short.npz",
+                                           [2, 3, 3, 4, 20, 24, 28, 30], [5, 4, 5, 4, 4, 3, 4, 5], 200)
+
+
+@pytest.fixture(scope="module")
+def to_the_cap_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    width = tiny.TINY_CONFIG["dim"] + 2
+    path = tmp_path_factory.mktemp("head") / "head.npz"
+    RemainingHead("tiny", width - 2, 16, 200, np.zeros(width), np.ones(width), np.zeros(width), 20.0,
+                  np.zeros(width), 1.0).save(path)
+    return path
+
+
+def config(folder: Path, predictor: Path, preempt_rows: int, head: Path | None = None) -> ServerConfig:
     return ServerConfig(
         model=str(folder), bind="tcp://127.0.0.1:0", num_rows=1, row_capacity=256, max_tree_nodes=16,
         speculators=(), heartbeat_interval_s=0.25, step_timeout_s=60.0, dtype="float32",
         scheduling=SchedulerSettings(policy="ssjf", max_wait_s=600.0, preempt_rows=preempt_rows),
-        predictor=str(predictor),
+        predictor=str(predictor), remaining_head=None if head is None else str(head),
     )
 
 
-async def test_a_preempted_request_resumes_with_the_tokens_it_would_have_written(
-        tiny_folder: Path, predictor_path: Path) -> None:
-    async with Server(config(tiny_folder, predictor_path, 0)) as server, Client(server.endpoint) as client:
-        alone = await client.generate(LONG_ANSWER_PROMPT, speculate="none", max_tokens=LONG_MAX_TOKENS)
-    assert len(alone.token_ids) > 100  # long enough to be preempted (the rules keep the last 64 tokens)
-
-    async with Server(config(tiny_folder, predictor_path, 1)) as server, Client(server.endpoint) as client:
+async def long_then_short(server_config: ServerConfig) -> tuple[list[str], list[int], dict[str, Any]]:
+    """The long request, then the short one once the long streams: which finished first, the
+    long one's tokens and the scheduler's stats."""
+    async with Server(server_config) as server, Client(server.endpoint) as client:
         finished: list[str] = []
         tokens: list[int] = []
         long = client.stream(LONG_ANSWER_PROMPT, speculate="none", max_tokens=LONG_MAX_TOKENS)
@@ -64,7 +84,31 @@ async def test_a_preempted_request_resumes_with_the_tokens_it_would_have_written
         finished.append("long")
         await asyncio.wait_for(short, 60)
         stats = await server.scheduler.ask("stats")
+    return finished, tokens, stats
 
+
+async def alone(folder: Path, predictor: Path) -> list[int]:
+    async with Server(config(folder, predictor, 0)) as server, Client(server.endpoint) as client:
+        done = await client.generate(LONG_ANSWER_PROMPT, speculate="none", max_tokens=LONG_MAX_TOKENS)
+    assert len(done.token_ids) > 100  # long enough to be preempted (the rules keep the last 64 tokens)
+    return list(done.token_ids)
+
+
+async def test_a_preempted_request_resumes_with_the_tokens_it_would_have_written(
+        tiny_folder: Path, predictor_path: Path) -> None:
+    expected = await alone(tiny_folder, predictor_path)
+    finished, tokens, stats = await long_then_short(config(tiny_folder, predictor_path, 1))
     assert stats["num_preempted"] >= 1 and stats["num_resumed"] == stats["num_preempted"]
     assert finished == ["short", "long"]  # the later, shorter request overtook the running one
-    assert tokens == list(alone.token_ids)
+    assert tokens == expected
+
+
+async def test_a_request_its_states_show_long_is_preempted_and_resumes_exactly(
+        tiny_folder: Path, all_short_predictor: Path, to_the_cap_head: Path) -> None:
+    expected = await alone(tiny_folder, all_short_predictor)
+    finished, tokens, stats = await long_then_short(config(tiny_folder, all_short_predictor, 1))
+    assert stats["num_preempted"] == 0 and finished == ["long", "short"]  # the prompt predictor alone: no
+    finished, tokens, stats = await long_then_short(config(tiny_folder, all_short_predictor, 1, to_the_cap_head))
+    assert stats["num_repredicted"] >= 1 and stats["num_preempted"] >= 1
+    assert finished == ["short", "long"]
+    assert tokens == expected
