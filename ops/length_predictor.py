@@ -341,19 +341,26 @@ class Predictor:
                                 table_lengths=self.table_lengths.astype(np.float32), meta=np.array(json.dumps(meta)))
 
 
-def load_predictor(path: str | Path | None = None) -> Predictor:
-    """Load a predictor saved by :meth:`Predictor.save`; ``None``: the shipped default one."""
+def read_weights_npz(path: str | Path | None, shipped: str, names: Sequence[str],
+                     what: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The JSON metadata and the float64 arrays ``names`` (those present) of a weights ``.npz``
+    written with a ``meta`` string, no pickle; ``None``: the shipped file ``shipped`` (under
+    ``treeserve.ops``). Any failure is a :class:`PredictorError` naming ``what`` it loaded."""
     try:
         if path is None:
-            handle = resources.files("treeserve.ops").joinpath(DEFAULT_PREDICTOR_FILE).open("rb")
+            handle = resources.files("treeserve.ops").joinpath(shipped).open("rb")
         else:
             handle = Path(path).open("rb")
         with handle, np.load(handle, allow_pickle=False) as data:
-            meta = json.loads(str(data["meta"]))
-            names = ("mean", "scale", "weights", "table_keys", "table_lengths")
-            arrays = {k: data[k].astype(np.float64) for k in names if k in data.files}
+            return json.loads(str(data["meta"])), {k: data[k].astype(np.float64) for k in names if k in data.files}
     except (OSError, KeyError, ValueError) as exc:
-        raise PredictorError(f"cannot load predictor {path or DEFAULT_PREDICTOR_FILE}: {exc}") from exc
+        raise PredictorError(f"cannot load {what} {path or shipped}: {exc}") from exc
+
+
+def load_predictor(path: str | Path | None = None) -> Predictor:
+    """Load a predictor saved by :meth:`Predictor.save`; ``None``: the shipped default one."""
+    meta, arrays = read_weights_npz(path, DEFAULT_PREDICTOR_FILE,
+                                    ("mean", "scale", "weights", "table_keys", "table_lengths"), "predictor")
     if meta.get("format_version") not in _READABLE_VERSIONS:
         raise PredictorError(f"unsupported predictor format {meta.get('format_version')!r}")
     empty = np.zeros(0)

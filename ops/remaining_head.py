@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from treeserve.ops.length_metrics import PredictorError
+from treeserve.ops.length_predictor import read_weights_npz
 
 DEFAULT_REMAINING_FILE = "data/remaining_smollm2-135m-instruct.npz"
 _FORMAT_VERSION = 1
@@ -100,16 +100,10 @@ class RemainingHead:
 
 def load_remaining_head(path: str | Path | None = None) -> RemainingHead:
     """Load a head saved by :meth:`RemainingHead.save`; ``None``: the shipped one."""
-    try:
-        if path is None:
-            handle = resources.files("treeserve.ops").joinpath(DEFAULT_REMAINING_FILE).open("rb")
-        else:
-            handle = Path(path).open("rb")
-        with handle, np.load(handle, allow_pickle=False) as data:
-            meta = json.loads(str(data["meta"]))
-            arrays = {k: data[k].astype(np.float64) for k in ("mean", "scale", "w_cap", "w_len")}
-    except (OSError, KeyError, ValueError) as exc:
-        raise PredictorError(f"cannot load remaining head {path or DEFAULT_REMAINING_FILE}: {exc}") from exc
+    names = ("mean", "scale", "w_cap", "w_len")
+    meta, arrays = read_weights_npz(path, DEFAULT_REMAINING_FILE, names, "remaining head")
+    if set(arrays) != set(names):
+        raise PredictorError(f"remaining head {path or DEFAULT_REMAINING_FILE} lacks {sorted(set(names) - set(arrays))}")
     if meta.get("format_version") != _FORMAT_VERSION:
         raise PredictorError(f"unsupported remaining-head format {meta.get('format_version')!r}")
     return RemainingHead(str(meta["model"]), int(meta["dim"]), int(meta["every"]), int(meta["cap"]), arrays["mean"],

@@ -175,7 +175,7 @@ def test_metrics_record_steps_and_requests_in_a_registry_of_their_own() -> None:
 def test_metrics_read_their_sources_at_scrape_time() -> None:
     metrics = ServingMetrics()
     stats = {"num_queued": 3, "num_running": 2, "num_free_rows": 6, "num_parked": 1, "num_preempted": 5,
-             "num_resumed": 4}
+             "num_resumed": 4, "num_repredicted": 12}
 
     async def scheduler_stats() -> dict[str, int]:
         return stats
@@ -187,6 +187,7 @@ def test_metrics_read_their_sources_at_scrape_time() -> None:
     assert got[("treeserve_queue_length", ())] == 3 and got[("treeserve_running_rows", ())] == 2
     assert got[("treeserve_free_rows", ())] == 6 and got[("treeserve_parked_requests", ())] == 1
     assert got[("treeserve_preemptions_total", ())] == 5 and got[("treeserve_resumptions_total", ())] == 4
+    assert got[("treeserve_repredictions_total", ())] == 12
     assert got[("treeserve_child_restarts_total", (("supervisor", "verifier-supervisor"),))] == 2
     assert got[("treeserve_zmq_requests_total", (("outcome", "completed"),))] == 4
     assert got[("treeserve_zmq_requests_total", (("outcome", "cancelled"),))] == 1
