@@ -49,13 +49,11 @@ def pick_jobs(jobs: Sequence[Job], num_train: int, num_test: int) -> list[Job]:
 
 
 def loop_onset(tokens: Sequence[int]) -> int:
-    """Where :class:`RepeatWatch` flags the answer fed one token at a time (-1: never)."""
+    """Where :class:`RepeatWatch` flags the answer (-1: never); fed whole, it finds the first
+    repeat as it would token by token."""
     watch = RepeatWatch()
-    for end in range(1, len(tokens) + 1):
-        watch.feed(tokens[:end], 1)
-        if watch.loop_at is not None:
-            return watch.loop_at
-    return -1
+    watch.feed(tokens, len(tokens))
+    return -1 if watch.loop_at is None else watch.loop_at
 
 
 def save(path: Path, jobs: Sequence[Job], meta: dict[str, object]) -> None:

@@ -24,7 +24,6 @@ scheduler, on one state a request every :attr:`RemainingHead.every` tokens.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,12 @@ def remaining_features(states: np.ndarray, written: np.ndarray, prompt_len: np.n
     states = np.asarray(states, dtype=np.float64).reshape(len(written), -1)
     extra = np.log1p(np.stack([np.asarray(written, np.float64), np.asarray(prompt_len, np.float64)], axis=1))
     return np.concatenate([states, extra], axis=1)
+
+
+def expected_remaining(p_cap: np.ndarray, log_len: np.ndarray, left: np.ndarray | float) -> np.ndarray:
+    """The heads' expectation of the tokens left, ``left`` of them at most:
+    ``p * left + (1 - p) * min(expm1(log_len), left)`` (a negative ``log_len`` counts as 0)."""
+    return p_cap * left + (1.0 - p_cap) * np.minimum(np.expm1(np.maximum(log_len, 0.0)), left)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,9 +90,7 @@ class RemainingHead:
             raise PredictorError(f"a state of shape {np.shape(state)} for a head of dim {self.dim}")
         features = remaining_features(np.asarray(state)[None], np.array([written]), np.array([prompt_len]))
         p_cap, log_len = self.heads(features)
-        left = max(1.0, float(max_tokens - written))
-        ends = min(math.expm1(max(float(log_len[0]), 0.0)), left)
-        return max(1.0, float(p_cap[0]) * left + (1.0 - float(p_cap[0])) * ends)
+        return max(1.0, float(expected_remaining(p_cap, log_len, max(1.0, float(max_tokens - written)))[0]))
 
     def save(self, path: str | Path) -> None:
         meta = {"format_version": _FORMAT_VERSION, "model": self.model, "dim": self.dim, "every": self.every,
@@ -111,4 +114,4 @@ def load_remaining_head(path: str | Path | None = None) -> RemainingHead:
                          dict(meta.get("meta", {})))
 
 
-__all__ = ["DEFAULT_REMAINING_FILE", "RemainingHead", "load_remaining_head", "remaining_features"]
+__all__ = ["DEFAULT_REMAINING_FILE", "RemainingHead", "expected_remaining", "load_remaining_head", "remaining_features"]

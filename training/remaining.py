@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from treeserve.ops.length_metrics import kendall_tau
-from treeserve.ops.remaining_head import RemainingHead, remaining_features
+from treeserve.ops.remaining_head import RemainingHead, expected_remaining, remaining_features
 
 ALPHAS = (1.0, 10.0, 100.0, 1000.0, 10000.0)
 CHECKPOINTS = (16, 32, 64, 128, 256)
@@ -72,15 +72,14 @@ class RunningStates:
         return cls(**joined, cap=int(meta["max_tokens"]), every=int(meta["state_every"]),  # type: ignore[arg-type]
                    model=str(meta["model"]))
 
-    def examples(self, test: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Features, capped flags, true remaining tokens and answer index of the states of
-        unfinished answers in the held-out (``test``) or training split."""
+    def examples(self, test: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Features, capped flags, true remaining tokens, answer index and tokens written of the
+        states of unfinished answers in the held-out (``test``) or training split."""
         job = self.state_job
         keep = (self.state_written < self.length[job]) & (self.is_test[job] == test)
-        job = job[keep]
-        x = remaining_features(self.states[keep].astype(np.float64), self.state_written[keep], self.prompt_len[job])
-        return x, self.is_capped[job].astype(np.float64), (self.length[job] - self.state_written[keep]).astype(
-            np.float64), job
+        job, written = job[keep], self.state_written[keep]
+        x = remaining_features(self.states[keep].astype(np.float64), written, self.prompt_len[job])
+        return x, self.is_capped[job].astype(np.float64), (self.length[job] - written).astype(np.float64), job, written
 
 
 def _standardize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +136,7 @@ def _choose_alpha(z: np.ndarray, y: np.ndarray, groups: np.ndarray, logistic: bo
 
 def fit(data: RunningStates, seed: int = 0) -> RemainingHead:
     """Both heads on the training split's states (see the module docstring)."""
-    x, capped, remaining, job = data.examples(test=False)
+    x, capped, remaining, job, _ = data.examples(test=False)
     mean, scale = _standardize(x)
     z = (x - mean) / scale
     alpha_cap = _choose_alpha(z, capped, job, True, seed)
@@ -162,16 +161,14 @@ def _auc(score: np.ndarray, label: np.ndarray) -> float:
 
 def score(head: RemainingHead, data: RunningStates) -> dict[str, dict[str, float]]:
     """Held-out figures per checkpoint (see the module docstring)."""
-    x, capped, remaining, job = data.examples(test=True)
-    written = np.rint(np.expm1(x[:, -2])).astype(int)
+    x, capped, remaining, job, written = data.examples(test=True)
     out: dict[str, dict[str, float]] = {}
     for point in CHECKPOINTS:
         at = written == point
         if at.sum() < 10:
             continue
         p_cap, log_len = head.heads(x[at])
-        left = data.cap - point
-        predicted = p_cap * left + (1 - p_cap) * np.minimum(np.expm1(np.maximum(log_len, 0)), left)
+        predicted = expected_remaining(p_cap, log_len, data.cap - point)
         loops = data.loop_at[job[at]]
         flagged = (loops >= 0) & (loops <= point)
         out[str(point)] = {
