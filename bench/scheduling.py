@@ -41,6 +41,12 @@ Usage::
     python bench/scheduling.py --trace bench/data/trace_small.jsonl --policy fcfs ssjf --json
     python bench/scheduling.py --calibrate --latency-model bench/out/latency.json
     python bench/scheduling.py --simulate --jobs bench/out/predictions.csv --latency-model bench/out/latency.json
+    python bench/scheduling.py --simulate --jobs bench/data/predictor_lengths_512_q4_1.csv --arrival-kinds burst \
+        --num-jobs 40 --draws 50 --num-rows 4 --latency-model bench/out/latency.json --noisy-sigmas 0 0.5 1 2
+
+``--noisy-sigmas`` asks how good a predictor ssjf needs (:func:`noisy_predictor_sweep`): the jobs'
+true lengths scaled by seeded log-normal errors, each sigma's Kendall tau beside ssjf's share of
+the oracle's gain.
 
 ``--json`` prints ``{"policies": {name: {"mean_jct_s", ..., "ratio_mean_jct_to_fcfs"}}}`` (and
 ``"simulation"`` for ``--simulate``); ``--plot PATH`` writes a JCT CDF (needs matplotlib).
@@ -301,6 +307,36 @@ def sweep(pool: Sequence[SimJob], latency: LatencyModel, policies: Sequence[str]
             rows.append({"arrivals": kind, "load": load, "rate_req_per_s": load * capacity,
                          "policies": with_ratios(per_policy)})
     return rows
+
+
+def noisy_predictor_sweep(pool: Sequence[SimJob], latency: LatencyModel, sigmas: Sequence[float], *,
+                          num_rows: int, max_wait_s: float, loads: Sequence[float], num_jobs: int, seed: int,
+                          kinds: Sequence[str], draws: int = 1) -> list[dict[str, Any]]:
+    """How good a predictor ssjf needs: for each ``sigma``, every job's prediction is its true length
+    (capped) times ``exp(sigma * z)``, ``z`` standard normal and fixed per job (so a larger ``sigma``
+    only scales the same errors), clipped to the cap as the scheduler clips it. Reports the
+    predictions' Kendall tau against the true lengths over the pool, and per arrival row ssjf's
+    share of the oracle's mean-JCT gain and its p99 against FCFS: medians over ``draws`` draws of
+    :func:`sweep` (seeds ``seed``, ``seed + 1``, ...; the same draws for every ``sigma``)."""
+    from treeserve.ops.length_metrics import kendall_tau
+
+    z = np.random.default_rng(seed + 1).standard_normal(len(pool))
+    out = []
+    for sigma in sigmas:
+        noisy = [replace(j, predicted_len=float(np.clip(max(1, min(j.true_len, j.max_tokens)) * math.exp(sigma * e),
+                                                        1.0, j.max_tokens))) for j, e in zip(pool, z)]
+        tau = kendall_tau([j.predicted_len for j in noisy], [min(j.true_len, j.max_tokens) for j in noisy])
+        runs = [sweep(noisy, latency, [PolicyName.FCFS.value, PolicyName.SSJF.value, SJF_ORACLE], num_rows=num_rows,
+                      max_wait_s=max_wait_s, loads=loads, num_jobs=num_jobs, seed=seed + d, kinds=kinds)
+                for d in range(draws)]
+        out.append({"sigma": sigma, "kendall_tau": tau, "draws": draws, "rows": [
+            {"arrivals": r["arrivals"], "load": r["load"],
+             "ssjf_share_of_oracle_gain": float(np.nanmedian(
+                 [oracle_gain_share(run[k]["policies"], PolicyName.SSJF.value) for run in runs])),
+             "ssjf_p99_to_fcfs": float(np.median(
+                 [run[k]["policies"][PolicyName.SSJF.value]["ratio_p99_jct_to_fcfs"] for run in runs]))}
+            for k, r in enumerate(runs[0])]})
+    return out
 
 
 def read_jobs_csv(path: Path, max_tokens: int, sets: Sequence[str] | None = None) -> list[SimJob]:
@@ -835,6 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arrival-kinds", nargs="+", default=["poisson", "gamma"], choices=["poisson", "gamma", "burst"],
                         help="arrival processes of --simulate")
     parser.add_argument("--max-tokens", type=int, default=512, help="max_tokens of simulated jobs")
+    parser.add_argument("--draws", type=int, default=1, help="--noisy-sigmas: draws of jobs per row (medians)")
+    parser.add_argument("--noisy-sigmas", type=float, nargs="+", default=None, metavar="SIGMA",
+                        help="--simulate: instead of the CSV's predictions, give every job its true length times "
+                             "exp(SIGMA * z) for each SIGMA, and report the predictions' tau beside ssjf's share of "
+                             "the oracle's gain (how good a predictor has to be)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="write a JCT CDF PNG here")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -882,6 +923,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.jobs is None:
             raise SystemExit("--simulate needs --jobs (a predictions CSV from treeserve train-predictor --predictions-out)")
         pool = read_jobs_csv(args.jobs, args.max_tokens, args.jobs_sets)
+        if args.noisy_sigmas:
+            out["noisy_predictor"] = noisy_predictor_sweep(
+                pool, latency, args.noisy_sigmas, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
+                loads=args.loads, num_jobs=args.num_jobs, seed=args.seed, kinds=args.arrival_kinds, draws=args.draws)
+            for entry in out["noisy_predictor"]:
+                _log(f"sigma {entry['sigma']}: tau {entry['kendall_tau']:.3f}; " + "; ".join(
+                    f"{r['arrivals']} {r['load']}: share {r['ssjf_share_of_oracle_gain']:.2f}, "
+                    f"p99/fcfs {r['ssjf_p99_to_fcfs']:.2f}" for r in entry["rows"]))
+            if args.json:
+                print(json.dumps(out, indent=1))
+            return 0
         policies = list(dict.fromkeys([*args.policy, SSJF_MAX_TOKENS, SJF_ORACLE]))
         rows = sweep(pool, latency, policies, num_rows=args.num_rows, max_wait_s=args.max_wait_s,
                      loads=args.loads, num_jobs=args.num_jobs, seed=args.seed, kinds=args.arrival_kinds)

@@ -107,6 +107,21 @@ def test_sweep_reports_every_policy_with_ratios() -> None:
     assert "ratio_mean_jct_to_fcfs" in rows[0]["policies"]["ssjf"]
 
 
+def test_noisy_predictions_lose_the_oracles_gain_as_their_tau_falls() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(200) < 0.5, rng.integers(10, 200, 200), 512)
+    pool = [sched.SimJob(0.0, 10, 512, int(n)) for n in lengths]
+    latency = sched.LatencyModel(base_s=0.01, per_row_s=0.001, tokens_per_step=1.0, prefill_per_token_s=0.0)
+    rows = sched.noisy_predictor_sweep(pool, latency, [0.0, 1.0, 4.0], num_rows=4, max_wait_s=1e9, loads=[1.0],
+                                       num_jobs=40, seed=0, kinds=["burst"], draws=3)
+    taus = [r["kendall_tau"] for r in rows]
+    shares = [r["rows"][0]["ssjf_share_of_oracle_gain"] for r in rows]
+    # Exact predictions are the oracle; the same errors scaled up rank worse and win less.
+    assert taus[0] == pytest.approx(1.0) and shares[0] == pytest.approx(1.0)
+    assert taus[0] > taus[1] > taus[2] and shares[0] > shares[1] > shares[2]
+    assert all(j.predicted_len is None for j in pool)  # the pool is not modified
+
+
 def test_read_trace_validates(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 1, "prompt": "a", "max_tokens": 4}\n{"arrival_s": 0, "messages": '

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from treeserve.ops.length_predictor import DEFAULT_ALPHAS, HEADS, FeatureSpec, Predictor, PredictorError, evaluate, features, fit_predictor, load_predictor, pooled_hidden_features, prompt_hidden
-from treeserve.training.length_heads import fit_ordinal_predictor, fit_rank_predictor
+from treeserve.training.length_heads import fit_listmle_predictor, fit_ordinal_predictor, fit_rank_predictor
 from treeserve.training.length_data import LengthExample, is_test_prompt, load_length_data
 
 if TYPE_CHECKING:
@@ -153,13 +153,15 @@ def cache_hidden_features(layers: Sequence[int], examples: Sequence[LengthExampl
 
 def fit_head(head: str, x: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, max_tokens: int, *,
              alphas: Sequence[float] = DEFAULT_ALPHAS, seed: int = 0) -> Predictor:
-    """Fit a ``ridge``, ``rank`` or ``ordinal`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
+    """Fit a ``ridge``, ``rank``, ``ordinal`` or ``listmle`` head (:data:`HEADS`) on features ``x`` and true ``lengths``."""
     if head == "ridge":
         return fit_predictor(x, lengths, spec, max_tokens, alphas=alphas, seed=seed)
     if head == "rank":
         return fit_rank_predictor(x, lengths, spec, max_tokens, seed=seed)
     if head == "ordinal":
         return fit_ordinal_predictor(x, lengths, spec, max_tokens, seed=seed)
+    if head == "listmle":
+        return fit_listmle_predictor(x, lengths, spec, max_tokens, seed=seed)
     raise PredictorError(f"head must be one of {HEADS}, got {head!r}")
 
 

@@ -10,7 +10,7 @@ import pytest
 from treeserve.ops.length_predictor import prompt_key
 from treeserve.training.length_heads import pairwise_rank_loss
 from treeserve.training.predictor import train_predictor
-from treeserve.ops.length_predictor import FeatureSpec, PredictorError, evaluate, load_predictor, lookup_predictor, token_features
+from treeserve.ops.length_predictor import HEADS, FeatureSpec, PredictorError, evaluate, load_predictor, lookup_predictor, token_features
 from treeserve.training.length_heads import fit_rank_predictor
 from treeserve.training.length_data import TEST_FRACTION, LengthExample, is_test_prompt
 
@@ -127,3 +127,12 @@ def test_ordinal_head_ranks_held_out_prompts_saves_and_loads(tmp_path: Path) -> 
     x = token_features(test[0].prompt_ids, 1024)
     assert loaded.predict_features(x) == pytest.approx(predictor.predict_features(x))
     assert 1.0 <= loaded.predict_features(x) <= 256.0
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_every_head_trains_through_train_predictor(head: str) -> None:
+    # train-predictor's run() fits every head of HEADS on the same features: each must be dispatched.
+    train, test = _graded_examples(200, 0), _graded_examples(100, 1, prefix="t")
+    report = train_predictor(train, FeatureSpec("tokens", num_buckets=1024), head=head, test=test, max_tokens=256)
+    assert report.predictor.head == head
+    assert report.held_out["tokens@1024"]["kendall_tau"] > 0.4
