@@ -164,8 +164,11 @@ class Inbound(Generic[CallT]):
         """Stop receiving and close the socket. Idempotent."""
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
-            monitor.close()
+            # libzmq's end of the monitor first, as in outbound.py: closed the other way round, an
+            # event libzmq's I/O thread sends after our end is gone blocks it on the PAIR while it
+            # holds the monitor's lock, and disable_monitor then waits for that lock for ever.
             self._sock.disable_monitor()
+            monitor.close()
         self._pump.close()
 
     # ------------------------------------------------------------------ sending
