@@ -320,7 +320,7 @@ def noisy_predictor_sweep(pool: Sequence[SimJob], latency: LatencyModel, sigmas:
     :func:`sweep` (seeds ``seed``, ``seed + 1``, ...; the same draws for every ``sigma``)."""
     from treeserve.ops.length_metrics import kendall_tau
 
-    z = np.random.default_rng(seed + 1).standard_normal(len(pool))
+    z = np.random.default_rng([seed, 1]).standard_normal(len(pool))  # a stream apart from the draws' seeds
     out = []
     for sigma in sigmas:
         noisy = [replace(j, predicted_len=float(np.clip(max(1, min(j.true_len, j.max_tokens)) * math.exp(sigma * e),
