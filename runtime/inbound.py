@@ -19,7 +19,7 @@ from typing import Generic, TypeAlias, TypeVar
 import zmq
 import zmq.asyncio
 
-from treeserve.runtime.pump import SendOutcome, SocketPump
+from treeserve.runtime.pump import SendOutcome, SocketPump, close_monitor
 from treeserve.runtime.stats import InboundStats
 from treeserve.transport.codec import DecodeError, decode, encode
 from treeserve.transport.messages import Cancel, Error, Heartbeat, Message, Request
@@ -164,11 +164,7 @@ class Inbound(Generic[CallT]):
         """Stop receiving and close the socket. Idempotent."""
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
-            # libzmq's end of the monitor first, as in outbound.py: closed the other way round, an
-            # event libzmq's I/O thread sends after our end is gone blocks it on the PAIR while it
-            # holds the monitor's lock, and disable_monitor then waits for that lock for ever.
-            self._sock.disable_monitor()
-            monitor.close()
+            close_monitor(self._sock, monitor)
         self._pump.close()
 
     # ------------------------------------------------------------------ sending

@@ -26,7 +26,7 @@ from treeserve.runtime.errors import (
     RuntimeClosedError,
     error_from_wire,
 )
-from treeserve.runtime.pump import SocketPump
+from treeserve.runtime.pump import SocketPump, close_monitor
 from treeserve.runtime.stats import NodeStats
 from treeserve.transport.codec import DecodeError, decode, encode
 from treeserve.transport.messages import (
@@ -72,10 +72,7 @@ class _Connection:
         self.is_up = asyncio.Event()
 
     def close(self) -> None:
-        # libzmq's end of the monitor first, so its I/O thread sends no more events, then ours
-        # (pyzmq's order). Closed the other way round, one CI run hung in disable_monitor.
-        self.socket.disable_monitor()
-        self.monitor.close()
+        close_monitor(self.socket, self.monitor)
         self.pump.close()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-__all__ = ["SendOutcome", "SocketPump"]
+__all__ = ["SendOutcome", "SocketPump", "close_monitor"]
 
 _log = logging.getLogger(__name__)
 _MAX_BATCH = 256  # messages handled per reader callback before yielding to the loop
@@ -137,3 +137,14 @@ class SocketPump:
         self._is_closed = True
         self._loop.remove_reader(self._fd)
         self._owner.close(linger=0)
+
+
+def close_monitor(sock: zmq.asyncio.Socket, monitor: SocketPump) -> None:
+    """Stop ``sock``'s socket monitor and close ``monitor``, the pump reading it (pyzmq's order).
+
+    libzmq's end first, so its I/O thread sends no more events, then ours. Closed the other way
+    round, an event the I/O thread sends after our end is gone blocks it on the PAIR while it holds
+    the monitor's lock, and ``disable_monitor`` then waits for that lock for ever (it hung CI runs).
+    """
+    sock.disable_monitor()
+    monitor.close()
