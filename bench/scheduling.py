@@ -219,6 +219,11 @@ class SimJob:
     true_len: int
     predicted_len: float | None = None
 
+    @property
+    def served_len(self) -> int:
+        """Tokens it is served: its true length within its cap (at least one)."""
+        return max(1, min(self.true_len, self.max_tokens))
+
 
 def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_rows: int = 8,
              max_wait_s: float = 30.0) -> list[JobResult]:
@@ -260,7 +265,7 @@ def simulate(jobs: Sequence[SimJob], policy: str, latency: LatencyModel, *, num_
         now += latency.step_s(len(running))
         for i in list(running):
             running[i] += per_step
-            target = max(1, min(jobs[i].true_len, jobs[i].max_tokens))
+            target = jobs[i].served_len
             if running[i] >= target:
                 del running[i]
                 results[i] = JobResult(jobs[i].arrival_s, admitted[i], now, target)
@@ -294,7 +299,7 @@ def sweep(pool: Sequence[SimJob], latency: LatencyModel, policies: Sequence[str]
           kinds: Sequence[str] = ("poisson", "gamma")) -> list[dict[str, Any]]:
     """Simulate every (arrival kind, load) pair with jobs drawn from ``pool``; one row per pair."""
     rng = np.random.default_rng(seed)
-    mean_len = float(np.mean([max(1, min(j.true_len, j.max_tokens)) for j in pool]))
+    mean_len = float(np.mean([j.served_len for j in pool]))
     capacity = capacity_req_per_s(latency, num_rows, mean_len)
     rows = []
     for kind in kinds:
@@ -323,9 +328,9 @@ def noisy_predictor_sweep(pool: Sequence[SimJob], latency: LatencyModel, sigmas:
     z = np.random.default_rng([seed, 1]).standard_normal(len(pool))  # a stream apart from the draws' seeds
     out = []
     for sigma in sigmas:
-        noisy = [replace(j, predicted_len=float(np.clip(max(1, min(j.true_len, j.max_tokens)) * math.exp(sigma * e),
+        noisy = [replace(j, predicted_len=float(np.clip(j.served_len * math.exp(sigma * e),
                                                         1.0, j.max_tokens))) for j, e in zip(pool, z)]
-        tau = kendall_tau([j.predicted_len for j in noisy], [min(j.true_len, j.max_tokens) for j in noisy])
+        tau = kendall_tau([j.predicted_len for j in noisy], [j.served_len for j in noisy])
         runs = [sweep(noisy, latency, [PolicyName.FCFS.value, PolicyName.SSJF.value, SJF_ORACLE], num_rows=num_rows,
                       max_wait_s=max_wait_s, loads=loads, num_jobs=num_jobs, seed=seed + d, kinds=kinds)
                 for d in range(draws)]
