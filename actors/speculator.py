@@ -78,7 +78,14 @@ from treeserve.actors.model_host import (
     check_str_or_none,
     load_on_device,
 )
-from treeserve.actors.speculator_factory import Drafter, SpeculatorKind, SpeculatorSpec, load_drafter, make_speculators
+from treeserve.actors.speculator_factory import (
+    Drafter,
+    SpeculatorKind,
+    SpeculatorSpec,
+    capture_drafters,
+    load_drafter,
+    make_speculators,
+)
 from treeserve.actors.messages.tree_wire import ParamsCache
 from treeserve.ops.drafting import Speculator, split_node_budget
 from treeserve.ops.model import Transformer
@@ -190,6 +197,7 @@ class SpeculatorActor(Actor):
         self._drafters = [load_drafter(spec, model, weight_format=cfg.dtype, cache_dir=cfg.cache_dir, device=cfg.device,
                                        background=True)
                           for spec in cfg.speculators]  # FileNotFoundError / ValueError fail the spawn
+        capture_drafters(self._drafters, cfg.capacity)  # a GPU's feature drafter: its steps from CUDA graphs
 
     # ------------------------------------------------------------------ handlers
     @handler

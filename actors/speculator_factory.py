@@ -24,6 +24,7 @@ from treeserve.ops.drafting import DEFAULT_EXPANSION, ModelSpeculator, Speculato
 from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, FeatureDrafter, compile_draft_step, load_feature_drafter
 from treeserve.ops.feature_speculator import DEFAULT_FEATURE_WIDTHS, FeatureSpeculator
 from treeserve.ops.format_names import AUTO_FORMAT, WeightFormat
+from treeserve.ops.graph_step import attach_draft_graphs
 from treeserve.ops.loaders.load import load_model
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
 from treeserve.ops.model import Transformer
@@ -237,6 +238,19 @@ def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str
         return compile_draft_step(load_feature_drafter(model, spec.options.get("path")), cache_dir,
                                   background=background)
     return None
+
+
+def capture_drafters(drafters: Sequence[Drafter], capacity: int | None) -> int:
+    """On a GPU, capture each feature drafter's forward over a few one-row caches of
+    ``capacity`` slots (None: the drafter's ``max_seq_len``;
+    :func:`~treeserve.ops.graph_step.attach_draft_graphs`), which its requests' speculators
+    then draft in; returns how many drafters were captured (none on a CPU)."""
+    captured = 0
+    for drafter in drafters:
+        if isinstance(drafter, FeatureDrafter) and drafter.device.type == "cuda":
+            attach_draft_graphs(drafter, capacity if capacity is not None else drafter.config.max_seq_len)
+            captured += 1
+    return captured
 
 
 def make_speculator(spec: SpeculatorSpec, drafter: Drafter, vocab_size: int, capacity: int | None = None) -> Speculator:

@@ -86,6 +86,7 @@ from treeserve.ops.batch_step import (
     verify_rows_with_states,
 )
 from treeserve.ops.formats import AUTO_FORMAT, resolve_format
+from treeserve.ops.graph_step import HEADROOM, GraphStep, attach_graphs
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.loaders.load import load_model, prepare_for_serving, stored_types_of
 from treeserve.ops.loaders.prepare import import_compiler, loads_a_compiled_step
@@ -198,7 +199,10 @@ class VerifierShard(Actor):
         model = model.to(cfg.device)
         model = prepare_for_serving(model, source, self._weight_format(), cache_dir=cfg.cache_dir,
                                     compile_decode=cfg.compile_decode, background=cfg.compile_in_background)
-        cache = model.new_cache(cfg.num_rows, capacity)
+        graphs = cfg.compile_decode and model.device.type == "cuda" and cfg.tp_size == 1
+        cache = model.new_cache(cfg.num_rows, capacity, headroom=HEADROOM if graphs else 0)
+        if graphs:  # every step replayed from CUDA graphs captured over this cache
+            self._info["graph_capture_s"] = round(attach_graphs(model, cache).capture_seconds or 0.0, 3)
         _warm_up(model, cache)
         self._model = model
         self._cache = cache
@@ -226,11 +230,12 @@ class VerifierShard(Actor):
 
     @handler
     async def decode_step(self) -> dict[str, bool]:
-        """Whether the model's decode step is fused (one C++ op) or compiled yet (a background
-        compile may still run); waits for the setup like ``info``."""
+        """Whether the model's decode step is fused (one C++ op), compiled yet (a background
+        compile may still run) or replayed from CUDA graphs; waits for the setup like ``info``."""
         model, _ = await self._ready()
         step = getattr(model, "decode_step", None)
-        return {"fused": bool(getattr(step, "is_fused", False)), "compiled": bool(getattr(step, "is_compiled", False))}
+        return {"fused": bool(getattr(step, "is_fused", False)), "compiled": bool(getattr(step, "is_compiled", False)),
+                "graphs": isinstance(step, GraphStep)}
 
     @handler
     async def prefill(self, body: Any) -> dict[str, Any] | None:
@@ -379,10 +384,13 @@ class VerifierShard(Actor):
             device = cache.device if self.config.device != "cpu" else None
             verifier = rank0_broadcast_verifier(self.config.tp_rank, device, inner=verifier)
         guarded = RowGuard(verifier, steps)
+        # One rank: greedy and seeded rows may be decided where the logits are (a GPU's), by
+        # verify's own rule; rows with non-finite logits still reach the checked verifier.
+        on_device = self.config.tp_size == 1
         if want_states:
-            results, states = verify_rows_with_states(model, cache, steps, verifier=guarded)
+            results, states = verify_rows_with_states(model, cache, steps, verifier=guarded, on_device=on_device)
         else:
-            results, states = verify_rows(model, cache, steps, verifier=guarded), []
+            results, states = verify_rows(model, cache, steps, verifier=guarded, on_device=on_device), []
         return results, states, guarded.failures
 
 

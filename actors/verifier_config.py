@@ -25,7 +25,9 @@ class VerifierConfig:
     short-lived process would be gone before a background compile is saved).
     ``compile_decode`` False: no compiled decode step at all; every step runs eagerly (the same
     kernels, op by op). Loading a saved step takes seconds, so a process that generates a few
-    hundred tokens and exits is done sooner without it (``treeserve generate``).
+    hundred tokens and exits is done sooner without it (``treeserve generate``). On a CUDA
+    device (one shard, ``tp_size`` 1) the same switch captures every step's CUDA graphs at
+    start-up instead (:mod:`~treeserve.ops.graph_step`; seconds).
     """
 
     model: str

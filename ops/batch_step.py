@@ -38,9 +38,9 @@ from torch import Tensor
 
 from treeserve.ops.kv_cache import CacheCapacityError, KVCache
 from treeserve.ops.model import Transformer
-from treeserve.ops.sampling import SamplingParams, randomness_for
+from treeserve.ops.sampling import SampleKey, SamplingParams, randomness_for
 from treeserve.ops.token_tree import PackedTrees, TokenTree, pack_trees
-from treeserve.ops.verify import VerifyFn, VerifyResult, verify
+from treeserve.ops.verify import VerifyFn, VerifyResult, accept_on_device, keyed_targets, verify
 
 Packer = Callable[[Sequence[TokenTree], Sequence[int], int], PackedTrees]
 """``(trees, committed lengths, pad_token_id) -> PackedTrees``; :func:`pack_trees` by default
@@ -181,6 +181,7 @@ def verify_rows(
     verifier: VerifyFn = verify,
     packer: Packer = pack_trees,
     pad_token_id: int = 0,
+    on_device: bool | None = None,
 ) -> list[VerifyResult]:
     """Verify every step's token tree with batched forwards and commit the accepted paths.
 
@@ -193,8 +194,12 @@ def verify_rows(
     bad rows, token ids outside the vocabulary, a tree that does not fit its row), and if a
     verifier raises, no row advances.
     (:func:`verify_rows_with_states` also returns the accepted nodes' hidden states.)
+    ``on_device``: whether greedy and seeded rows may be decided where the logits are, by
+    :func:`verify`'s rule (:func:`decides_on_device`: on a GPU); rows with non-finite logits
+    and all others still go to ``verifier``. Default: only when ``verifier`` is :func:`verify`
+    itself (a wrapper that adds only failure handling may say True).
     """
-    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, want_states=False)[0]
+    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, on_device, want_states=False)[0]
 
 
 def verify_rows_with_states(
@@ -205,15 +210,16 @@ def verify_rows_with_states(
     verifier: VerifyFn = verify,
     packer: Packer = pack_trees,
     pad_token_id: int = 0,
+    on_device: bool | None = None,
 ) -> tuple[list[VerifyResult], list[Tensor]]:
     """:func:`verify_rows`, also returning per step the model's final hidden states
     ``(len(accepted), D)`` of its accepted nodes (root first), for feature-level drafters."""
-    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, want_states=True)
+    return _verify_rows(model, cache, steps, verifier, packer, pad_token_id, on_device, want_states=True)
 
 
 def _verify_rows(
     model: Transformer, cache: KVCache, steps: Sequence[RowStep], verifier: VerifyFn, packer: Packer,
-    pad_token_id: int, *, want_states: bool,
+    pad_token_id: int, on_device: bool | None, *, want_states: bool,
 ) -> tuple[list[VerifyResult], list[Tensor]]:
     if not steps:
         return [], []
@@ -258,9 +264,14 @@ def _verify_rows(
             else:
                 logits = model(tokens, view, **kwargs)
             assert isinstance(logits, Tensor)
+            decided = _decide_on_device([by_row.get(r) for r in range(start, stop)], trees, lengths[start:stop], tokens,
+                                        kwargs, logits) if (verifier is verify if on_device is None else on_device) else {}
             for offset, row in enumerate(range(start, stop)):
                 real = by_row.get(row)
-                if real is not None:
+                if real is not None and offset in decided:
+                    last, bonus = decided[offset]
+                    results[row] = VerifyResult(real.tree.path_to(last), bonus)
+                elif real is not None:
                     n = real.tree.num_nodes
                     randomness = randomness_for(real.params, lengths[row] + 1, real.generator)
                     results[row] = verifier(real.tree, logits[offset, :n], real.params, randomness)
@@ -276,6 +287,45 @@ def _verify_rows(
             result = results.get(start + offset)
             view.commit(offset, result.accepted if result is not None else [])
     return [results[row] for row in rows], [states[row] for row in rows] if want_states else []
+
+
+def decides_on_device(logits: Tensor) -> bool:
+    """Whether a block's greedy and seeded rows are verified where its logits are: on a GPU,
+    where each host read stalls the queue (and a seeded row would move its logits to the
+    host). On the CPU the logits are on the host already and the row by row rule is the
+    cheaper one (the batched rule's extra ops cost about 0.1 ms a step)."""
+    return logits.is_cuda
+
+
+def _decide_on_device(steps: Sequence[RowStep | None], trees: Sequence[TokenTree], lengths: Sequence[int],
+                      tokens: Tensor, kwargs: dict[str, Tensor], logits: Tensor) -> dict[int, tuple[int, int]]:
+    """The greedy and seeded rows of one block verified where the logits are
+    (:func:`~treeserve.ops.verify.accept_on_device`; a seeded row's targets by
+    :func:`~treeserve.ops.verify.keyed_targets`): ``{offset: (last node, bonus)}``, read back in
+    one transfer for the whole block. A row with a non-finite logit, or seeded with
+    probabilities that are not a distribution, is left out: the host's verifier fails it."""
+    rows = [offset for offset, step in enumerate(steps)
+            if step is not None and (step.params.is_greedy or step.params.seed is not None)]
+    if not rows or not decides_on_device(logits):
+        return {}
+    targets = logits.argmax(dim=-1)  # (B, T): the greedy rows' targets
+    num_nodes = torch.tensor([tree.num_nodes for tree in trees])
+    real = torch.arange(logits.shape[1]) < num_nodes[:, None]  # (B, T)
+    fine = (torch.isfinite(logits).all(dim=-1) | ~real.to(logits.device)).all(dim=-1).long()  # (B,)
+    for offset in rows:
+        step = steps[offset]
+        assert step is not None
+        if not step.params.is_greedy:
+            n = step.tree.num_nodes
+            key = randomness_for(step.params, lengths[offset] + 1, None)
+            assert isinstance(key, SampleKey)
+            targets[offset, :n], ok = keyed_targets(logits[offset, :n], step.params, key, step.tree.depths().tolist())
+            fine[offset] &= ok
+    tree_mask = kwargs.get("tree_mask")
+    if tree_mask is None:  # one node a row
+        tree_mask = torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool, device=tokens.device)
+    decided = torch.cat([accept_on_device(tokens, tree_mask, num_nodes, targets), fine[:, None]], dim=1).tolist()
+    return {offset: (decided[offset][0], decided[offset][1]) for offset in rows if decided[offset][2]}
 
 
 def _check_token_ids(tokens: Sequence[int], vocab_size: int) -> None:

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from treeserve.ops import fused_step
-from treeserve.ops.kernels import tree_attention_cpu
+from treeserve.ops.kernels import tree_attention_cpu, tree_attention_cuda
 from treeserve.ops.kv_cache import KVCache, write_pending
 from treeserve.ops.model import Block, Transformer
 from treeserve.ops.model_config import apply_rope
@@ -85,10 +85,18 @@ def step_hidden(
 
 def blocks_hidden(
     model: Transformer, h: Tensor, positions: Tensor, tree_mask: Tensor, lengths: Tensor,
-    keys: list[Tensor], values: list[Tensor], num_slots: Tensor,
+    keys: list[Tensor], values: list[Tensor], num_slots: Tensor, *,
+    write_at: Tensor | None = None, ancestor_bits: Tensor | None = None,
 ) -> Tensor:
     """:func:`step_hidden` from the first block's input states ``h`` ``(B, T, D)`` instead of
-    tokens (a feature drafter feeds its own); the same arguments otherwise."""
+    tokens (a feature drafter feeds its own); the same arguments otherwise.
+
+    A captured step (:mod:`~treeserve.ops.graph_step`) adds two: ``write_at`` ``(B,)``, where
+    each row's new K/V go when that is not ``lengths`` (its padding rows write into the cache's
+    headroom and attend over nothing), and ``ancestor_bits`` ``(B, T)``, the tree as words for
+    the CUDA tree kernel, which then attends straight from the cache (no mask; its launch is
+    planned for ``num_slots`` keys, so one captured launch serves every length)."""
+    write_at = lengths if write_at is None else write_at
     config = model.config
     batch, num_new = h.shape[:2]
     num_heads, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -96,11 +104,12 @@ def blocks_hidden(
     dtype = model.dtype
     # The CPU tree kernel attends to every visible key at 1 / sqrt(hd): not for sliding windows
     # or another scale (Gemma 3).
-    fused = (tree_attention_cpu.fits(h.device, dtype, num_heads, num_kv, head_dim) and not config.windowed
-             and config.attn_scale is None)
+    fused = (ancestor_bits is None and tree_attention_cpu.fits(h.device, dtype, num_heads, num_kv, head_dim)
+             and not config.windowed and config.attn_scale is None)
     # Otherwise, the eager forward's mask: committed slots, tree-visible new ones; slots past a
     # row's new tokens (another request's leftovers) hidden; and each sliding window's own.
-    mask = None if fused else build_attention_mask(lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
+    mask = None if fused or ancestor_bits is not None else build_attention_mask(
+        lengths, tree_mask, num_new, num_slots.shape[0])  # (B, 1, T, S)
     windows = {w: window_mask(lengths, positions, num_slots.shape[0], w) for w in
                {config.window(i) for i in range(config.num_layers)} if w is not None}
     rope = model.rope_rows(positions, dtype)
@@ -109,9 +118,11 @@ def blocks_hidden(
         attn = block.self_attn
         cos, sin = (r[:, :, None, :] for r in rope[index])  # (B, T, 1, hd)
         window = config.window(index)
-        if attn.qkv_proj is None:
-            raise ValueError("the decode step needs a formatted model (formats.apply_format fuses its projections)")
-        q, k, v = attn.qkv_proj(block.input_layernorm(h)).split([q_size, kv_size, kv_size], dim=-1)
+        x = block.input_layernorm(h)
+        if attn.qkv_proj is not None:  # a formatted model: q|k|v in one product
+            q, k, v = attn.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:  # a drafter on a GPU, unformatted
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q, k = q.view(batch, num_new, num_heads, head_dim), k.view(batch, num_new, num_kv, head_dim)
         if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3's per-head norms
             q, k = attn.q_norm(q), attn.k_norm(k)
@@ -119,11 +130,17 @@ def blocks_hidden(
         k = apply_rope(k, cos, sin)  # (B, T, n_kv, hd)
         v = v.view(batch, num_new, num_kv, head_dim)
         if fused:
-            tree_attention_cpu.write_kv(keys[index], values[index], k, v, lengths)
+            tree_attention_cpu.write_kv(keys[index], values[index], k, v, write_at)
             out = tree_attention_cpu.tree_decode(q, keys[index], values[index], lengths, tree_mask)  # (B, T, H*hd)
+        elif ancestor_bits is not None:
+            write_pending(keys[index], values[index], k, v, write_at)
+            out = tree_attention_cuda.tree_attention_cuda(
+                q.transpose(1, 2), keys[index], values[index], lengths, ancestor_bits,
+                max_prefix_length=num_slots.shape[0] - num_new)  # (B, H, T, hd)
+            out = out.transpose(1, 2).reshape(batch, num_new, q_size)  # (B, T, H*hd)
         else:
             assert mask is not None
-            write_pending(keys[index], values[index], k, v, lengths)
+            write_pending(keys[index], values[index], k, v, write_at)
             # torch's fused attention (flash; GQA without expanding K/V), as in the eager forward.
             # At one query per head, attention written as products and sums for inductor to
             # fuse measured no faster at one row and slower at 64 (a 130 ms step against 99 ms).

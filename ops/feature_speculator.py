@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from treeserve.ops.drafting import start_request, validate_expansion
 from treeserve.ops.feature_drafter import FeatureDrafter
+from treeserve.ops.graph_step import DraftGraphs
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.sampling import SamplingParams
 from treeserve.ops.ssm import add_spine_children, fit_spine_widths
@@ -58,7 +60,14 @@ class FeatureSpeculator:
         self._root_prediction: Tensor | None = None  # the drafter's state after the last pair
 
     def prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Start a request; its states arrive through :meth:`add_features`."""
+        """Start a request; its states arrive through :meth:`add_features`. Where the drafter
+        has captured caches (:func:`~treeserve.ops.graph_step.attach_draft_graphs`, on a GPU),
+        this speculator drafts in a free one, handed back when it is dropped."""
+        graphs = self.drafter.draft_step
+        if self._cache is None and isinstance(graphs, DraftGraphs):
+            self._cache = graphs.lease(self._capacity)
+            if self._cache is not None:
+                weakref.finalize(self, graphs.release, self._cache)
         self._cache, self._history = start_request(self._cache, self.drafter, self._capacity, prompt_ids)
         self._states, self._num_states, self._num_pairs = [], 0, 0
         self._root_prediction = None

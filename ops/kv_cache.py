@@ -66,6 +66,10 @@ class KVCache:
     ``lengths`` (LongTensor ``(B,)``) holds each row's committed length. ``num_pending[row]``
     is how many slots the last forward wrote after ``lengths[row]``; :meth:`commit` may keep
     only those. The tensors are in the model's dtype and device. Not thread-safe.
+
+    ``headroom`` slots past ``capacity`` are storage that nothing commits into: a captured
+    step (:mod:`~treeserve.ops.graph_step`) writes its padding there, so that a forward padded
+    to a fixed shape never needs the lengths on the host to stay in bounds.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        headroom: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -88,10 +93,13 @@ class KVCache:
         ):
             if value <= 0:
                 raise ValueError(f"KVCache {name} must be positive, got {value}")
+        if headroom < 0:
+            raise ValueError(f"KVCache headroom must be >= 0, got {headroom}")
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.capacity = capacity
-        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.headroom = headroom
+        shape = (batch_size, num_kv_heads, capacity + headroom, head_dim)
         self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths: Tensor = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -111,8 +119,13 @@ class KVCache:
                 f"KV cache full: a row with {max(lengths)} committed tokens cannot take {num_new} "
                 f"new ones (capacity {self.capacity}); truncate or reset the row, or make a bigger cache"
             )
-        self.num_pending = [num_new] * self.batch_size
+        self.mark_pending(num_new)
         return lengths
+
+    def mark_pending(self, num_new: int) -> None:
+        """Mark ``num_new`` pending slots in every row without reading the lengths: for a
+        caller that checked the rows' room itself (:meth:`begin_write` checks and marks)."""
+        self.num_pending = [num_new] * self.batch_size
 
     def write(self, layer: int, k_new: Tensor, v_new: Tensor, lengths: Sequence[int]) -> None:
         """Store new keys/values ``(B, n_kv, T, hd)`` for ``layer`` at slots ``[lengths[b], lengths[b]+T)``."""

@@ -278,8 +278,8 @@ class Transformer(nn.Module):
             return cast(Tensor, self.head_kernel(hidden)).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` for this model (capacity defaults to ``max_seq_len``)."""
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None, *, headroom: int = 0) -> KVCache:
+        """An empty :class:`KVCache` for this model (capacity: default ``max_seq_len``; headroom: see KVCache)."""
         capacity = self.config.max_seq_len if capacity is None else capacity
         if capacity > self.config.max_seq_len:
             raise ValueError(f"cache capacity {capacity} exceeds the model's max_seq_len {self.config.max_seq_len}")
@@ -291,6 +291,7 @@ class Transformer(nn.Module):
             capacity=capacity,
             dtype=self.dtype,
             device=self.device,
+            headroom=headroom,
         )
 
     def truncated(self, num_layers: int) -> Transformer:
@@ -442,6 +443,8 @@ class Transformer(nn.Module):
             positions = cache.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # (B, T)
         elif positions.shape != (batch, num_new):
             raise ValueError(f"positions must be (B, T) = {(batch, num_new)}, got {tuple(positions.shape)}")
-        if int(positions.max()) >= self.config.max_seq_len or int(positions.min()) < 0:
+        if positions.device.type != "cpu":  # checked on the device: a host read would stall every step
+            torch._assert_async((positions.max() < self.config.max_seq_len) & (positions.min() >= 0))
+        elif int(positions.max()) >= self.config.max_seq_len or int(positions.min()) < 0:
             raise ValueError(f"positions must lie in [0, max_seq_len={self.config.max_seq_len})")
         return positions

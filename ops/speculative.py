@@ -113,19 +113,32 @@ def emit_until_done(
     return taken, None
 
 
+def _request_cache(model: Transformer, cache: KVCache | None, needed: int) -> KVCache:
+    """A one-row cache of at least ``needed`` slots: ``cache`` emptied (one a captured step was
+    captured over, say: :mod:`~treeserve.ops.graph_step`), or a new one of exactly that size."""
+    if cache is None:
+        return model.new_cache(1, needed)
+    if cache.batch_size != 1 or cache.capacity < needed:
+        raise ValueError(f"the request needs a 1-row cache of {needed} slots, got {cache.batch_size} rows of {cache.capacity}")
+    cache.reset_row(0)
+    return cache
+
+
 def generate_incremental(
-    model: Transformer, prompt_ids: Sequence[int], params: SamplingParams, *, generator: torch.Generator | None = None
+    model: Transformer, prompt_ids: Sequence[int], params: SamplingParams, *, generator: torch.Generator | None = None,
+    cache: KVCache | None = None,
 ) -> GenerationResult:
     """Plain autoregressive decoding, one LLM forward per token (the losslessness reference).
 
     A seeded request samples the token of sequence position ``n`` with the key
     ``(params.seed, n)`` (``generator`` is then unused); an unseeded one draws from
-    ``generator`` (CPU; default: a fresh random one).
+    ``generator`` (CPU; default: a fresh random one). ``cache``: a one-row cache to run in
+    (emptied first; default: a new one sized to the request).
     """
     prompt = _check_prompt(model, prompt_ids, params)
     if generator is None and not params.is_greedy:
         generator = make_generator(params)
-    cache = model.new_cache(1, len(prompt) + params.max_new_tokens)
+    cache = _request_cache(model, cache, len(prompt) + params.max_new_tokens)
     emitted: list[int] = []
     num_steps = 0
     with torch.no_grad():
@@ -164,6 +177,7 @@ def generate_speculative(
     generator: torch.Generator | None = None,
     verifier: VerifyFn = verify,
     max_tree_nodes: int = 64,
+    cache: KVCache | None = None,
 ) -> GenerationResult:
     """Tree-based speculative generation of one request; lossless w.r.t. incremental decoding.
 
@@ -178,15 +192,15 @@ def generate_speculative(
     With no speculators every step verifies a root-only tree (incremental decoding).
     Speculators with ``uses_features = True`` (e.g. :class:`~treeserve.ops.feature_speculator.FeatureSpeculator`)
     also get the LLM's final hidden states of every token it has processed, in order: the
-    prompt's (but its last token) after the prefill, then each step's root and accepted drafts.
+    prompt's (but its last token) after the prefill, then each step's root and accepted drafts
+    (``cache``: a one-row cache to run in, as :func:`generate_incremental` takes).
     """
     prompt = _check_prompt(model, prompt_ids, params)
     if max_tree_nodes < 1 or mode is SpeculationMode.NONE:  # none drafts nothing: generate_incremental
         raise ValueError(f"max_tree_nodes must be >= 1 and mode tree or chain, got {max_tree_nodes} and {mode.value}")
     if generator is None and not params.is_greedy:
         generator = make_generator(params)
-    capacity = min(model.config.max_seq_len, len(prompt) + params.max_new_tokens + max_tree_nodes)
-    cache = model.new_cache(1, capacity)
+    cache = _request_cache(model, cache, min(model.config.max_seq_len, len(prompt) + params.max_new_tokens + max_tree_nodes))
     device = model.device
     emitted: list[int] = []
     accepted_per_step: list[int] = []
@@ -204,7 +218,7 @@ def generate_speculative(
         while True:
             remaining = params.max_new_tokens - len(emitted)
             length = int(cache.lengths[0])
-            room = min(capacity - length, max_tree_nodes)
+            room = min(cache.capacity - length, max_tree_nodes)
             # The merged tree has at most 1 + sum(nodes_k - 1) nodes, so split the room.
             shares = split_node_budget(room, len(speculators))
             trees = [s.propose(params, generator, remaining - 1, share) for s, share in zip(speculators, shares)]

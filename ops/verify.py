@@ -19,13 +19,13 @@ requests are verified by key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from treeserve.ops.sampling import Randomness, SampleKey, SamplingParams, logits_to_probs, sample_keyed
+from treeserve.ops.sampling import Randomness, SampleKey, SamplingParams, keyed_uniforms, logits_to_probs, sample_keyed
 from treeserve.ops.token_tree import TokenTree
 
 
@@ -87,6 +87,56 @@ def verify_greedy(tree: TokenTree, logits: Tensor) -> VerifyResult:
         raise ValueError(f"logits have {logits.shape[0]} rows for a tree of {tree.num_nodes} nodes")
     targets = logits.argmax(dim=-1).tolist()  # (T,) one host sync
     return _follow_targets(tree, lambda node, _depth: int(targets[node]))
+
+
+def accept_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, targets: Tensor) -> Tensor:
+    """Verification of a batch of packed trees where their ``targets`` ``(B, T)`` are (each
+    node's target: the token plain decoding emits after it), with no host read: ``(B, 2)``
+    long, each row's last accepted node and its bonus token. The path is that node's ancestors
+    (the caller's host-side tree has them), so one read of ``2 B`` numbers replaces a read per
+    node.
+
+    ``tokens`` ``(B, T)``, ``tree_mask`` ``(B, T, T)`` (ancestors and self) and ``num_nodes``
+    ``(B,)`` (nodes past it are padding), as a batched verify step has them. The rule is
+    :func:`_follow_targets`', node for node: a node is on the accepted path iff every node from
+    node 0 down to it is its parent's target, counting among siblings of one token only the
+    first (``_follow_targets`` keeps the first child of a token). Those nodes form one chain;
+    its deepest node is the last accepted, and its target the bonus.
+    """
+    num_rows, width = tokens.shape
+    index = torch.arange(width, device=tokens.device)
+    valid = index[None, :] < num_nodes.to(tokens.device)[:, None]  # (B, T)
+    proper = tree_mask & ~torch.eye(width, dtype=torch.bool, device=tokens.device)  # (B, T, T) strict ancestors
+    parent = (proper.long() * index).amax(dim=-1)  # (B, T): the nearest ancestor (ancestors come first)
+    has_parent = proper.any(dim=-1)
+    same_slot = (parent[:, :, None] == parent[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+    shadowed = (same_slot & (index[:, None] > index[None, :]) & (has_parent & valid)[:, None, :]).any(dim=-1)
+    hit = valid & has_parent & ~shadowed & (tokens == targets.gather(1, parent))
+    on_path = hit | (index == 0)[None, :]  # node 0, the root, is always accepted
+    reaches_root = tree_mask[:, :, 0] & valid
+    accepted = reaches_root & ~(tree_mask & ~on_path[:, None, :]).any(dim=-1)  # (B, T) a chain per row
+    depth = torch.where(accepted, tree_mask.sum(dim=-1), -1)
+    last = depth.argmax(dim=-1)  # (B,)
+    return torch.stack([last, targets.gather(1, last[:, None])[:, 0]], dim=1)
+
+
+def accept_greedy_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, logits: Tensor) -> Tensor:
+    """:func:`accept_on_device` with every node's argmax of ``logits`` ``(B, T, V)`` as its
+    target: :func:`verify_greedy` for a whole batch, with no host read."""
+    return accept_on_device(tokens, tree_mask, num_nodes, logits.argmax(dim=-1))
+
+
+def keyed_targets(logits: Tensor, params: SamplingParams, key: SampleKey, depths: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The keyed targets ``(T,)`` of one tree's nodes at ``depths``, on the logits' device:
+    :func:`~treeserve.ops.sampling.sample_keyed` of each node's probabilities at position
+    ``key.position + depth``, as :func:`verify_keyed` draws them (the same keys; the same
+    probabilities up to the device's rounding). Also a bool scalar, False where a node's
+    probabilities are not a distribution: ``sample_keyed`` raises there, so the caller then
+    verifies the row on the host, which says so."""
+    probs = logits_to_probs(logits, params)  # (T, V)
+    fine = (torch.isfinite(probs) & (probs >= 0)).all() & (probs.sum(dim=-1) > 0).all()
+    uniforms = keyed_uniforms(key.seed, [key.position + d for d in depths], probs.shape[-1], device=probs.device)
+    return (torch.log(probs.double()) - torch.log(-torch.log(uniforms))).argmax(dim=-1), fine
 
 
 def verify_keyed(tree: TokenTree, logits: Tensor, params: SamplingParams, key: SampleKey) -> VerifyResult:

@@ -48,7 +48,7 @@ def _ragged_cache(model: Transformer, lengths: list[int], capacity: int = 40) ->
 
 def _clone(cache: KVCache) -> KVCache:
     twin = KVCache(num_layers=cache.num_layers, batch_size=cache.batch_size, num_kv_heads=cache.keys[0].shape[1],
-                   head_dim=cache.keys[0].shape[3], capacity=cache.capacity, dtype=cache.dtype)
+                   head_dim=cache.keys[0].shape[3], capacity=cache.capacity, dtype=cache.dtype, headroom=cache.headroom)
     for mine, theirs in zip(twin.keys + twin.values, cache.keys + cache.values):
         mine.copy_(theirs)
     twin.lengths.copy_(cache.lengths)
@@ -258,7 +258,15 @@ def test_artifact_name_follows_the_format() -> None:
     b = apply_format(make_tiny_model(0, **FORMAT_DIMS), "bfloat16")
     c = apply_format(make_tiny_model(0, **{**FORMAT_DIMS, "num_layers": 2}), "q4_1")
     assert len({artifact_name(a), artifact_name(b), artifact_name(c)}) == 3
-    with pytest.raises(ValueError, match="formatted model"):
-        step_hidden(make_tiny_model(0, **FORMAT_DIMS), torch.tensor([[1]]), torch.tensor([[0]]),
-                    torch.ones(1, 1, 1, dtype=torch.bool), torch.tensor([0]),
-                    [torch.zeros(1, 2, 4, 8)] * 3, [torch.zeros(1, 2, 4, 8)] * 3, torch.empty(1))
+
+
+def test_an_unformatted_model_steps_with_its_own_projections() -> None:
+    """Without a format's fused q|k|v (a feature drafter on a GPU), the step runs the three
+    projections and computes the model's forward."""
+    model = make_tiny_model(0, **FORMAT_DIMS)
+    cache, twin = _ragged_cache(model, [3, 6]), _ragged_cache(model, [3, 6])
+    tokens = torch.tensor([[1], [2]])
+    positions = cache.lengths[:, None].clone()
+    hidden = step_hidden(model, tokens, positions, torch.ones(2, 1, 1, dtype=torch.bool), cache.lengths,
+                         cache.keys, cache.values, torch.empty(7))
+    torch.testing.assert_close(hidden, model.hidden_states(tokens, twin), rtol=1e-5, atol=1e-5)
