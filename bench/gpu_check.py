@@ -14,7 +14,10 @@ and measures (well under 8 minutes on one H200):
 6. decode and tree-verify steps in bf16 (the tree steps with the kernel and with SDPA);
 7. ``treeserve generate`` through the whole actor system on the device (float32 tree == none,
    and bf16);
-8. one JSON (``gpu_check.json``) and a log (``gpu_check.log``) under ``--out`` (default ``$OUT``).
+8. issue 41's speed figures (``bench/gpu_speed.py``): decoding eager and from CUDA graphs, HF
+   transformers' static-cache ``torch.compile`` and prompt-lookup peers, captured tree verifies
+   over a captured step, tree speculation, and 16 and 64 streams through the actors;
+9. one JSON (``gpu_check.json``) and a log (``gpu_check.log``) under ``--out`` (default ``$OUT``).
 
 The model is the default one when its GGUF is in the cache or given (``--gguf``, checked by
 sha256 and installed into the cache as ``treeserve pull`` would); otherwise a random-weight twin
@@ -42,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("install", "pytest", "kernel_accuracy", "kernel_timing", "greedy_exactness", "model_timing", "generate")
+STEPS = ("install", "pytest", "kernel_accuracy", "kernel_timing", "greedy_exactness", "model_timing", "generate", "speed")
+SPEED_FIELDS = ("decode_tok_s", "hf_static_compile_tok_s", "tree_vs_step", "speculative", "batch_tok_s", "transformers")
+"""Issue 41's fields, which the ``speed`` step (``bench/gpu_speed.py``) also writes at the JSON's top level."""
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 """Issue 16's bounds against float64 (on the same rounded inputs)."""
 TWIN_CONFIG = dict(vocab_size=49152, dim=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, ffn_dim=1536,
@@ -577,6 +582,17 @@ def generate_runs(model_name: str, args: argparse.Namespace, device: str, report
     return {"ok": all(r.get("ok") for r in out.values()) and same, "float32_tree_equals_none": same, "runs": out}
 
 
+# ---------------------------------------------------------------------------------------- 8
+def speed_step(model_name: str, args: argparse.Namespace, device: str, small: bool, report: Report) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_speed import speed
+
+    result = speed(model_name, args.cache_dir, device, small=small, log=report.log,
+                   **({} if args.speed_parts is None else {"parts": args.speed_parts}))
+    report.data.update({key: result[key] for key in SPEED_FIELDS if key in result})
+    return {"ok": True, **result}
+
+
 # ----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -592,6 +608,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=450.0,
                         help="steps not started by then are skipped, subprocesses are cut at it (default 450)")
     parser.add_argument("--only", nargs="+", choices=STEPS, default=None, help="run these steps only")
+    parser.add_argument("--speed-parts", nargs="+", default=None,
+                        choices=("decode", "hf", "tree", "speculative", "batch", "actors"),
+                        help="the speed step's parts (default: all), to split it over two device calls")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "out" / "gpu_check"
@@ -644,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         report.data["model"] = dict(chosen)
         return {"ok": True, **chosen}
 
-    if steps & {"greedy_exactness", "model_timing", "generate"}:
+    if steps & {"greedy_exactness", "model_timing", "generate", "speed"}:
         report.step("model", choose_model)
     if chosen:
         model_name = chosen["name"]
@@ -654,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
             report.step("model_timing", lambda: model_timing(model_name, args, device, kernel))
         if "generate" in steps:
             report.step("generate", lambda: generate_runs(model_name, args, device, report))
+        if "speed" in steps:
+            report.step("speed", lambda: speed_step(model_name, args, device, small, report))
     if device.startswith("cuda"):
         from treeserve.ops.kernels.tree_attention_cuda import LAUNCHES
 

@@ -5,6 +5,7 @@
 #   .whl/                 pyzmq, gguf and pytest-asyncio as cp312 manylinux wheels (about 1 MB)
 #   .gpu/tokenizer/       the default model's tokenizer files and shapes (3.5 MB), for the
 #                         random-weight twin used when its weights cannot travel
+#   .gpu/mtbench.jsonl    MT-Bench's prompts (bench/data/fetch.py), for the speed step
 #   .gpu-a/, .gpu-b/      with --gguf: the default model's GGUF (98 MB) cut in two halves, one
 #                         per device call (a call carries at most 64 MiB with the repo)
 #
@@ -38,6 +39,10 @@ if [ -n "$converted" ]; then
     ls -l .gpu/tokenizer
 else
     echo "no converted default model under $cache: run \`treeserve pull\` first for the twin's tokenizer" >&2
+fi
+
+if [ -f bench/data/mtbench.jsonl ]; then  # the speed step's prompts (bench/data/*.jsonl are not committed)
+    mkdir -p .gpu && cp bench/data/mtbench.jsonl .gpu/mtbench.jsonl
 fi
 
 if [ "${1:-}" = "--gguf" ]; then
