@@ -46,7 +46,7 @@ def shim_kernel(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def on_cpu(q: Any, k: Any, v: Any, lengths: Any, bits: Any, *, max_prefix_length: int | None = None,
                num_splits: int | None = None) -> Any:
         return tree_attention_cuda.run_tree_attention(q, k, v, lengths, bits, launch=tree_attention_shim.launcher(library),
-                                                      num_sms=4, max_prefix_length=max_prefix_length, num_splits=num_splits)
+                                                      num_sms=16, max_prefix_length=max_prefix_length, num_splits=num_splits)
 
     return on_cpu
 
@@ -280,3 +280,31 @@ def test_a_feature_drafter_drafts_the_same_trees_from_its_captured_caches(attent
     del speculator, second
     gc.collect()
     assert graphs.free == [step.cache]
+
+
+@pytest.mark.parametrize("num_new", [1, 8])
+def test_the_kernel_planned_for_the_whole_cache_reads_each_rows_own_length(shim_kernel: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                           num_new: int) -> None:
+    """The captured kernel's launch covers the whole storage in several key splits, so rows
+    much shorter than the cache leave splits empty (they must add nothing), and a long row
+    fills them: the replayed step equals the eager forward for rows of 5, 200 and 20 tokens."""
+    from treeserve.ops.kernels.tree_attention_cuda import plan_launch
+
+    monkeypatch.setattr(tree_attention_cuda, "tree_attention_cuda", shim_kernel)
+    model = _model()
+    lengths = [5, 200, 20]
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(3, 250, headroom=HEADROOM)
+    model.hidden_states(torch.randint(0, model.config.vocab_size, (3, 200), generator=gen), cache)
+    for row, length in enumerate(lengths):
+        cache.commit(row, range(length))
+    twin = _clone(cache)
+    config = model.config
+    plan = plan_launch(4, config.num_heads, config.num_kv_heads, num_new, 250 + HEADROOM, num_sms=16)
+    assert plan.num_splits > 1, "the case must split the keys to mean anything"
+    step = GraphStep(model, cache, row_buckets=(4,), node_buckets=(1, 8), use_kernel=True, use_cuda_graphs=False)
+    step.capture()
+    tokens, mask, positions = _trees(lengths, num_new, seed=5)
+    hidden = step(tokens, cache, mask, positions)
+    torch.testing.assert_close(hidden, model.hidden_states(tokens, twin, tree_mask=mask, positions=positions),
+                               rtol=2e-5, atol=2e-5)
