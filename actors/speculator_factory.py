@@ -15,6 +15,7 @@ and the kind's options (:meth:`SpeculatorSpec.from_wire` lists them).
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,9 @@ from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.ssm import DistilledSpeculator, DistilledSSM, load_ssms
 from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
+from treeserve.ops.tree_attention import is_cuda_kernel_available
+
+_log = logging.getLogger(__name__)
 
 
 class SpeculatorKind(enum.StrEnum):
@@ -241,14 +245,19 @@ def load_drafter(spec: SpeculatorSpec, model: Transformer, *, weight_format: str
 
 
 def capture_drafters(drafters: Sequence[Drafter], capacity: int | None) -> int:
-    """On a GPU, capture each feature drafter's forward over a few one-row caches of
-    ``capacity`` slots (None: the drafter's ``max_seq_len``;
+    """On a GPU with the tree kernel (cupy), capture each feature drafter's forward over a few
+    one-row caches of ``capacity`` slots (None: the drafter's ``max_seq_len``;
     :func:`~treeserve.ops.graph_step.attach_draft_graphs`), which its requests' speculators
-    then draft in; returns how many drafters were captured (none on a CPU)."""
+    then draft in; returns how many drafters were captured (none on a CPU). A failed capture
+    is logged and that drafter drafts eagerly."""
     captured = 0
     for drafter in drafters:
-        if isinstance(drafter, FeatureDrafter) and drafter.device.type == "cuda":
-            attach_draft_graphs(drafter, capacity if capacity is not None else drafter.config.max_seq_len)
+        if isinstance(drafter, FeatureDrafter) and drafter.device.type == "cuda" and is_cuda_kernel_available():
+            try:
+                attach_draft_graphs(drafter, capacity if capacity is not None else drafter.config.max_seq_len)
+            except Exception:  # drafting goes on eagerly
+                _log.warning("capturing the feature drafter's CUDA graphs failed; it drafts eagerly", exc_info=True)
+                continue
             captured += 1
     return captured
 

@@ -87,6 +87,7 @@ from treeserve.ops.batch_step import (
 )
 from treeserve.ops.formats import AUTO_FORMAT, resolve_format
 from treeserve.ops.graph_step import HEADROOM, GraphStep, attach_graphs
+from treeserve.ops.tree_attention import is_cuda_kernel_available
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.loaders.load import load_model, prepare_for_serving, stored_types_of
 from treeserve.ops.loaders.prepare import import_compiler, loads_a_compiled_step
@@ -199,10 +200,15 @@ class VerifierShard(Actor):
         model = model.to(cfg.device)
         model = prepare_for_serving(model, source, self._weight_format(), cache_dir=cfg.cache_dir,
                                     compile_decode=cfg.compile_decode, background=cfg.compile_in_background)
-        graphs = cfg.compile_decode and model.device.type == "cuda" and cfg.tp_size == 1
+        # Every step replayed from CUDA graphs captured over this cache: one rank, and the tree
+        # kernel (without it the captured attention would read the whole cache every step).
+        graphs = cfg.compile_decode and model.device.type == "cuda" and cfg.tp_size == 1 and is_cuda_kernel_available()
         cache = model.new_cache(cfg.num_rows, capacity, headroom=HEADROOM if graphs else 0)
-        if graphs:  # every step replayed from CUDA graphs captured over this cache
-            self._info["graph_capture_s"] = round(attach_graphs(model, cache).capture_seconds or 0.0, 3)
+        if graphs:
+            try:
+                self._info["graph_capture_s"] = round(attach_graphs(model, cache).capture_seconds or 0.0, 3)
+            except Exception:  # a capture that fails must not stop serving: the eager forward runs
+                _log.warning("capturing the CUDA graphs failed; the shard serves eagerly", exc_info=True)
         _warm_up(model, cache)
         self._model = model
         self._cache = cache

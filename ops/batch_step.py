@@ -40,7 +40,7 @@ from treeserve.ops.kv_cache import CacheCapacityError, KVCache
 from treeserve.ops.model import Transformer
 from treeserve.ops.sampling import SampleKey, SamplingParams, randomness_for
 from treeserve.ops.token_tree import PackedTrees, TokenTree, pack_trees
-from treeserve.ops.verify import VerifyFn, VerifyResult, accept_on_device, keyed_targets, verify
+from treeserve.ops.verify import VerifyFn, VerifyResult, accept_on_device, check_proposals, keyed_targets, verify
 
 Packer = Callable[[Sequence[TokenTree], Sequence[int], int], PackedTrees]
 """``(trees, committed lengths, pad_token_id) -> PackedTrees``; :func:`pack_trees` by default
@@ -268,15 +268,15 @@ def _verify_rows(
                                         kwargs, logits) if (verifier is verify if on_device is None else on_device) else {}
             for offset, row in enumerate(range(start, stop)):
                 real = by_row.get(row)
-                if real is not None and offset in decided:
-                    last, bonus = decided[offset]
-                    results[row] = VerifyResult(real.tree.path_to(last), bonus)
-                elif real is not None:
-                    n = real.tree.num_nodes
+                if real is None:
+                    continue
+                if offset in decided:
+                    results[row] = VerifyResult(real.tree.path_to(decided[offset][0]), decided[offset][1])
+                else:
                     randomness = randomness_for(real.params, lengths[row] + 1, real.generator)
-                    results[row] = verifier(real.tree, logits[offset, :n], real.params, randomness)
-                    if want_states:
-                        states[row] = hidden[offset, torch.tensor(results[row].accepted, device=device)]
+                    results[row] = verifier(real.tree, logits[offset, :real.tree.num_nodes], real.params, randomness)
+                if want_states:
+                    states[row] = hidden[offset, device_ints(results[row].accepted, device)]
     except BaseException:
         for start, view in views:
             for offset in range(view.batch_size):
@@ -287,6 +287,13 @@ def _verify_rows(
             result = results.get(start + offset)
             view.commit(offset, result.accepted if result is not None else [])
     return [results[row] for row in rows], [states[row] for row in rows] if want_states else []
+
+
+def device_ints(values: Sequence[int], device: torch.device) -> Tensor:
+    """``values`` as a long tensor on ``device``; onto a GPU through pinned memory without
+    waiting (a plain copy from the host would wait for everything queued before it)."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
 def decides_on_device(logits: Tensor) -> bool:
@@ -309,13 +316,14 @@ def _decide_on_device(steps: Sequence[RowStep | None], trees: Sequence[TokenTree
     if not rows or not decides_on_device(logits):
         return {}
     targets = logits.argmax(dim=-1)  # (B, T): the greedy rows' targets
-    num_nodes = torch.tensor([tree.num_nodes for tree in trees])
-    real = torch.arange(logits.shape[1]) < num_nodes[:, None]  # (B, T)
-    fine = (torch.isfinite(logits).all(dim=-1) | ~real.to(logits.device)).all(dim=-1).long()  # (B,)
+    num_nodes = device_ints([tree.num_nodes for tree in trees], logits.device)
+    real = torch.arange(logits.shape[1], device=logits.device) < num_nodes[:, None]  # (B, T)
+    fine = (torch.isfinite(logits).all(dim=-1) | ~real).all(dim=-1).long()  # (B,)
     for offset in rows:
         step = steps[offset]
         assert step is not None
         if not step.params.is_greedy:
+            check_proposals(step.tree)  # as verify_keyed checks them (a speculator's bug raises)
             n = step.tree.num_nodes
             key = randomness_for(step.params, lengths[offset] + 1, None)
             assert isinstance(key, SampleKey)

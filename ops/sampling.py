@@ -151,7 +151,9 @@ def keyed_uniforms(seed: int, positions: Sequence[int], num_tokens: int, draw: i
     for position in positions:
         h = _splitmix64((_splitmix64((_splitmix64(seed) + position) & _MASK64) + draw) & _MASK64)
         words.append((h & _MASK32, h >> 32, _splitmix64(h) & _MASK32))
-    keys = torch.tensor(words, dtype=torch.long, device=device).reshape(len(words), 3)  # (N, 3)
+    keys = torch.tensor(words, dtype=torch.long).reshape(len(words), 3)  # (N, 3)
+    # Onto a GPU through pinned memory without waiting for the queue (a verify step's logits).
+    keys = keys.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else keys.to(device)
     x = torch.arange(num_tokens, dtype=torch.long, device=device).expand(len(words), -1)  # (N, V)
     for k in range(3):
         x = _mix32(x ^ keys[:, k:k + 1])

@@ -89,6 +89,20 @@ def verify_greedy(tree: TokenTree, logits: Tensor) -> VerifyResult:
     return _follow_targets(tree, lambda node, _depth: int(targets[node]))
 
 
+def check_proposals(tree: TokenTree) -> None:
+    """:class:`VerificationError` for a proposal that its ``q`` could not draw (a speculator's
+    bug), in a tree that carries ``draft_probs``; on the host, where the tree is."""
+    if tree.draft_probs is not None and tree.proposal_children.numel() > 0:
+        proposed = tree.tokens[tree.proposal_children]  # (P,)
+        q_of_proposed = tree.draft_probs[tree.proposal_q_rows, proposed]  # (P,)
+        bad = (q_of_proposed <= 0).nonzero()
+        if bad.numel() > 0:
+            i = int(bad[0, 0])
+            raise VerificationError(
+                f"token {int(proposed[i])} was proposed from a q that gives it probability {float(q_of_proposed[i])}"
+            )
+
+
 def accept_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, targets: Tensor) -> Tensor:
     """Verification of a batch of packed trees where their ``targets`` ``(B, T)`` are (each
     node's target: the token plain decoding emits after it), with no host read: ``(B, 2)``
@@ -105,7 +119,7 @@ def accept_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, targe
     """
     num_rows, width = tokens.shape
     index = torch.arange(width, device=tokens.device)
-    valid = index[None, :] < num_nodes.to(tokens.device)[:, None]  # (B, T)
+    valid = index[None, :] < num_nodes.to(tokens.device)[:, None]  # (B, T); num_nodes: on the device already, or a copy
     proper = tree_mask & ~torch.eye(width, dtype=torch.bool, device=tokens.device)  # (B, T, T) strict ancestors
     parent = (proper.long() * index).amax(dim=-1)  # (B, T): the nearest ancestor (ancestors come first)
     has_parent = proper.any(dim=-1)
@@ -161,15 +175,7 @@ def verify_keyed(tree: TokenTree, logits: Tensor, params: SamplingParams, key: S
         return verify_greedy(tree, logits)
     if logits.shape[0] != tree.num_nodes:
         raise ValueError(f"logits have {logits.shape[0]} rows for a tree of {tree.num_nodes} nodes")
-    if tree.draft_probs is not None and tree.proposal_children.numel() > 0:
-        proposed = tree.tokens[tree.proposal_children]  # (P,)
-        q_of_proposed = tree.draft_probs[tree.proposal_q_rows, proposed]  # (P,)
-        bad = (q_of_proposed <= 0).nonzero()
-        if bad.numel() > 0:
-            i = int(bad[0, 0])
-            raise VerificationError(
-                f"token {int(proposed[i])} was proposed from a q that gives it probability {float(q_of_proposed[i])}"
-            )
+    check_proposals(tree)
     cpu_logits = logits.detach().to("cpu")
 
     def target_at(node: int, depth: int) -> int:

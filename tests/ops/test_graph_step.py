@@ -8,7 +8,6 @@ CPU's own kernel; the CUDA graphs themselves are checked where CUDA is (marked `
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,7 +72,8 @@ def _filled_cache(model: Transformer, lengths: list[int]) -> KVCache:
     """A cache with headroom whose rows hold different numbers of committed random tokens."""
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(len(lengths), CAPACITY, headroom=HEADROOM)
-    model.hidden_states(torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)), generator=gen), cache)
+    tokens = torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)), generator=gen)
+    model.hidden_states(tokens.to(cache.device), cache)
     for row, length in enumerate(lengths):
         cache.commit(row, range(length))
     return cache
@@ -199,15 +199,12 @@ def test_verify_rows_through_attached_graphs_equals_eager_serving(attention: dic
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_replay_what_the_twin_computes(tmp_path: Path) -> None:
-    """On a GPU: the captured CUDA graphs give the twin's hidden states, step after step."""
-    model = _model().to("cuda")
+def test_cuda_graphs_replay_what_the_twin_computes() -> None:
+    """On a GPU: the captured CUDA graphs give the twin's hidden states, step after step, and
+    the eager forward's (the tree kernel where cupy is, else SDPA)."""
+    model = apply_format(make_tiny_model(3, **DIMS).to("cuda"), "float32")
     lengths = [5, 17, 9]
-    cache = _filled_cache(model, lengths)
-    twin = _clone(cache)
-    twin.keys = [k.cuda() for k in twin.keys]
-    twin.values = [v.cuda() for v in twin.values]
-    twin.lengths = twin.lengths.cuda()
+    cache, twin, eager = (_filled_cache(model, lengths) for _ in range(3))
     graphs = GraphStep(model, cache, use_cuda_graphs=True)
     graphs.capture()
     replays = GraphStep(model, twin, use_cuda_graphs=False)
@@ -217,7 +214,9 @@ def test_cuda_graphs_replay_what_the_twin_computes(tmp_path: Path) -> None:
     for _ in range(2):
         torch.testing.assert_close(graphs(tokens, cache, mask, positions), replays(tokens, twin, mask, positions),
                                    rtol=1e-5, atol=1e-5)
-    assert graphs.replays == 2
+    reference = model.hidden_states(tokens, eager, tree_mask=mask, positions=positions)
+    torch.testing.assert_close(graphs(tokens, cache, mask, positions), reference, rtol=1e-4, atol=1e-4)
+    assert graphs.replays == 3
 
 
 def test_generation_in_the_captured_cache_equals_plain_generation(attention: dict[str, Any]) -> None:

@@ -187,3 +187,26 @@ def test_a_row_with_a_non_finite_logit_goes_to_the_host_verifier(monkeypatch: py
     seen.clear()
     batch_step.verify_rows(model, cache, steps, verifier=wrapper)  # a wrapper alone: every row goes to it
     assert seen == [7, 8]
+
+
+def test_rows_decided_on_the_device_return_their_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify_rows_with_states`` (a feature drafter's verifier) gives the accepted nodes'
+    hidden states for rows decided on the device as for rows decided on the host."""
+    from treeserve.ops import batch_step
+    from treeserve.ops.formats import apply_format
+
+    from .conftest import make_tiny_model
+
+    model = apply_format(make_tiny_model(2, dim=64, ffn_dim=128, num_heads=8, num_kv_heads=2, head_dim=8), "float32")
+    caches = [model.new_cache(2, 32) for _ in range(2)]
+    for cache in caches:
+        batch_step.prefill_rows(model, cache, [(0, [1, 2, 3]), (1, [4, 5])])
+    trees = [TokenTree.from_parents([-1, 0, 0, 1], [7, 3, 4, 5]), TokenTree.chain(8, [2, 2])]
+    steps = [batch_step.RowStep(0, trees[0], SamplingParams()), batch_step.RowStep(1, trees[1], KEYED_PARAMS[0])]
+    on_host = batch_step.verify_rows_with_states(model, caches[0], steps)
+    with monkeypatch.context() as patch:
+        patch.setattr(batch_step, "decides_on_device", lambda logits: True)
+        on_device = batch_step.verify_rows_with_states(model, caches[1], steps)
+    assert [(r.accepted, r.bonus_token) for r in on_device[0]] == [(r.accepted, r.bonus_token) for r in on_host[0]]
+    for mine, theirs, result in zip(on_device[1], on_host[1], on_host[0]):
+        assert mine.shape[0] == len(result.accepted) and torch.equal(mine, theirs)
