@@ -25,14 +25,13 @@ from treeserve.ops.drafting import DEFAULT_EXPANSION, ModelSpeculator, Speculato
 from treeserve.ops.feature_drafter import DEFAULT_FEATURE_DRAFTER_FILE, FeatureDrafter, compile_draft_step, load_feature_drafter
 from treeserve.ops.feature_speculator import DEFAULT_FEATURE_WIDTHS, FeatureSpeculator
 from treeserve.ops.format_names import AUTO_FORMAT, WeightFormat
-from treeserve.ops.graph_step import attach_draft_graphs
+from treeserve.ops.graph_step import attach_draft_graphs, kernel_fits
 from treeserve.ops.loaders.load import load_model
 from treeserve.ops.loaders.registry import DEFAULT_MODEL
 from treeserve.ops.model import Transformer
 from treeserve.ops.ngram import NGramSpeculator
 from treeserve.ops.ssm import DistilledSpeculator, DistilledSSM, load_ssms
 from treeserve.ops.suffix import SuffixIndex, SuffixSpeculator
-from treeserve.ops.tree_attention import is_cuda_kernel_available
 
 _log = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ def capture_drafters(drafters: Sequence[Drafter], capacity: int | None) -> int:
     is logged and that drafter drafts eagerly."""
     captured = 0
     for drafter in drafters:
-        if isinstance(drafter, FeatureDrafter) and drafter.device.type == "cuda" and is_cuda_kernel_available():
+        if isinstance(drafter, FeatureDrafter) and kernel_fits(drafter):
             try:
                 attach_draft_graphs(drafter, capacity if capacity is not None else drafter.config.max_seq_len)
             except Exception:  # drafting goes on eagerly

@@ -86,8 +86,7 @@ from treeserve.ops.batch_step import (
     verify_rows_with_states,
 )
 from treeserve.ops.formats import AUTO_FORMAT, resolve_format
-from treeserve.ops.graph_step import HEADROOM, GraphStep, attach_graphs
-from treeserve.ops.tree_attention import is_cuda_kernel_available
+from treeserve.ops.graph_step import HEADROOM, GraphStep, attach_graphs, kernel_fits
 from treeserve.ops.kv_cache import KVCache
 from treeserve.ops.loaders.load import load_model, prepare_for_serving, stored_types_of
 from treeserve.ops.loaders.prepare import import_compiler, loads_a_compiled_step
@@ -202,7 +201,7 @@ class VerifierShard(Actor):
                                     compile_decode=cfg.compile_decode, background=cfg.compile_in_background)
         # Every step replayed from CUDA graphs captured over this cache: one rank, and the tree
         # kernel (without it the captured attention would read the whole cache every step).
-        graphs = cfg.compile_decode and model.device.type == "cuda" and cfg.tp_size == 1 and is_cuda_kernel_available()
+        graphs = cfg.compile_decode and cfg.tp_size == 1 and kernel_fits(model)
         cache = model.new_cache(cfg.num_rows, capacity, headroom=HEADROOM if graphs else 0)
         if graphs:
             try:

@@ -24,9 +24,11 @@ On CUDA the tree kernel (:mod:`~treeserve.ops.kernels.tree_attention_cuda`, when
 installed) runs inside the graph for every step, decode included; without cupy, SDPA under a
 mask over the whole cache. On the CPU the same function runs eagerly on the same buffers
 (:class:`Replay`), which is what the tests check: a captured step's hidden states equal the
-eager forward's for every bucket, padding and row offset. A forward the graphs do not take (a
-cache they were not captured over, such as a prefill's scratch cache, more rows than captured,
-or a windowed model on the kernel path) runs the model's eager blocks.
+eager forward's for every bucket, padding and row offset. A model the kernel does not cover
+(sliding windows, another attention scale: Gemma 3) is captured with SDPA; serving captures
+only where :func:`kernel_fits`. A forward the graphs do not take (a cache they were not
+captured over, such as a prefill's scratch cache, or more rows or nodes than captured) runs
+the model's eager blocks.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ NODE_BUCKETS = (1, 4, 8, 16, 32, 64)
 HEADROOM = max(NODE_BUCKETS)
 """Slots past a cache's capacity that a captured step needs (:meth:`Transformer.new_cache`'s
 ``headroom``): where the pad rows of the largest bucket write."""
+
+
+def kernel_fits(model: Transformer) -> bool:
+    """Whether a captured step of ``model`` runs the CUDA tree kernel: on a CUDA device with
+    cupy, for attention over every visible key at ``1 / sqrt(hd)`` (no sliding window). Only
+    then does serving capture (the SDPA fallback would read the whole cache every step)."""
+    config = model.config
+    return (model.device.type == "cuda" and is_cuda_kernel_available() and not config.windowed
+            and config.attn_scale is None)
 
 
 def bucket_of(count: int, buckets: Sequence[int]) -> int | None:
@@ -353,4 +364,4 @@ def attach_draft_graphs(drafter: Transformer, capacity: int, *, slots: int = 4, 
 
 
 __all__ = ["HEADROOM", "NODE_BUCKETS", "ROW_BUCKETS", "DraftGraphStep", "DraftGraphs", "GraphStep", "Replay",
-           "attach_draft_graphs", "attach_graphs", "bucket_of"]
+           "attach_draft_graphs", "attach_graphs", "bucket_of", "kernel_fits"]

@@ -307,3 +307,23 @@ def test_the_kernel_planned_for_the_whole_cache_reads_each_rows_own_length(shim_
     hidden = step(tokens, cache, mask, positions)
     torch.testing.assert_close(hidden, model.hidden_states(tokens, twin, tree_mask=mask, positions=positions),
                                rtol=2e-5, atol=2e-5)
+
+
+def test_serving_captures_only_where_the_tree_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel_fits: a CUDA model with cupy and plain attention; not the CPU, not without cupy,
+    not sliding windows or another attention scale (Gemma 3), where the captured attention
+    would be SDPA over the whole cache."""
+    from types import SimpleNamespace
+
+    from treeserve.ops.graph_step import kernel_fits
+
+    def model(device: str, **config: Any) -> Any:
+        return SimpleNamespace(device=torch.device(device),
+                               config=SimpleNamespace(**{"windowed": False, "attn_scale": None, **config}))
+
+    assert not kernel_fits(_model())
+    monkeypatch.setattr(graph_step, "is_cuda_kernel_available", lambda: True)
+    assert kernel_fits(model("cuda")) and not kernel_fits(model("cpu"))
+    assert not kernel_fits(model("cuda", windowed=True)) and not kernel_fits(model("cuda", attn_scale=0.1))
+    monkeypatch.setattr(graph_step, "is_cuda_kernel_available", lambda: False)
+    assert not kernel_fits(model("cuda"))
