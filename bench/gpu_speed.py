@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +38,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # its siblings: gpu_check's timer, hf_peers
+from gpu_check import time_ms  # noqa: E402
+
 FALLBACK_PROMPTS = ("What is the capital of France? Answer in one sentence, then name three sights there.",
                     "Write a Python function that reverses a list, and explain it.",
                     "List three colours of the rainbow, one per line.")
@@ -163,12 +166,7 @@ def tree_vs_step(model: Any, device: str, prefix: int, reps: int) -> dict[str, A
     cache.commit(0, range(prefix))
 
     def per_call_ms(fn: Callable[[], Any]) -> float:
-        fn()
-        rounds = []
-        for _ in range(5):
-            _, seconds = timed(lambda: [fn() for _ in range(reps)], device)
-            rounds.append(seconds / reps * 1000)
-        return round(statistics.median(rounds), 4)
+        return round(time_ms(fn, device, reps=reps), 4)  # gpu_check's timer: median of 5 rounds
 
     decode = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
     out: dict[str, Any] = {"prefix": prefix, "step_ms": per_call_ms(lambda: model(decode, cache))}
@@ -313,9 +311,6 @@ def float32_equality(model_name: str, cache_dir: Path | None, device: str, all_i
 def hf_peers(model_name: str, cache_dir: Path | None, device: str, dtype: str, all_ids: list[list[int]],
              max_new: int, small: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """HF's static-cache ``torch.compile`` and prompt-lookup peers on the same prompt ids."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from hf_peers import hf_peer_timings
 
     from treeserve.ops.loaders.load import load_model

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from treeserve.ops.kv_cache import CacheCapacityError, KVCache
 from treeserve.ops.model import Transformer
-from treeserve.ops.sampling import SampleKey, SamplingParams, randomness_for
+from treeserve.ops.sampling import SampleKey, SamplingParams, host_to_device, randomness_for
 from treeserve.ops.token_tree import PackedTrees, TokenTree, pack_trees
 from treeserve.ops.verify import VerifyFn, VerifyResult, accept_on_device, check_proposals, keyed_targets, verify
 
@@ -276,7 +276,7 @@ def _verify_rows(
                     randomness = randomness_for(real.params, lengths[row] + 1, real.generator)
                     results[row] = verifier(real.tree, logits[offset, :real.tree.num_nodes], real.params, randomness)
                 if want_states:
-                    states[row] = hidden[offset, device_ints(results[row].accepted, device)]
+                    states[row] = hidden[offset, host_to_device(torch.tensor(results[row].accepted), device)]
     except BaseException:
         for start, view in views:
             for offset in range(view.batch_size):
@@ -287,13 +287,6 @@ def _verify_rows(
             result = results.get(start + offset)
             view.commit(offset, result.accepted if result is not None else [])
     return [results[row] for row in rows], [states[row] for row in rows] if want_states else []
-
-
-def device_ints(values: Sequence[int], device: torch.device) -> Tensor:
-    """``values`` as a long tensor on ``device``; onto a GPU through pinned memory without
-    waiting (a plain copy from the host would wait for everything queued before it)."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
 def decides_on_device(logits: Tensor) -> bool:
@@ -316,7 +309,7 @@ def _decide_on_device(steps: Sequence[RowStep | None], trees: Sequence[TokenTree
     if not rows or not decides_on_device(logits):
         return {}
     targets = logits.argmax(dim=-1)  # (B, T): the greedy rows' targets
-    num_nodes = device_ints([tree.num_nodes for tree in trees], logits.device)
+    num_nodes = host_to_device(torch.tensor([tree.num_nodes for tree in trees]), logits.device)
     real = torch.arange(logits.shape[1], device=logits.device) < num_nodes[:, None]  # (B, T)
     fine = (torch.isfinite(logits).all(dim=-1) | ~real).all(dim=-1).long()  # (B,)
     for offset in rows:

@@ -106,11 +106,22 @@ class FeatureDrafter(Transformer):
                              f"got {tuple(states.shape)}")
         if batch != cache.batch_size or cache.num_layers != len(self.layers):
             raise ValueError(f"cache (batch {cache.batch_size}, {cache.num_layers} layers) does not fit this drafter")
-        if self.draft_step is not None and slot_mask is None:  # formatted (format_drafter): serving only
+        if self.draft_step is not None and slot_mask is None:  # formatted (format_drafter), or captured: serving only
             return self.draft_step(states, tokens, cache, tree_mask, positions)
-        h = self.fc(torch.cat([states.to(self.dtype), self.embed_tokens(tokens).detach()], dim=-1))  # (B, T, D)
-        h = self.run_blocks(h, cache, positions, tree_mask, slot_mask)
+        return self.eager_features(states, tokens, cache, tree_mask=tree_mask, positions=positions, slot_mask=slot_mask)
+
+    def eager_features(
+        self, states: Tensor, tokens: Tensor, cache: KVCache, *,
+        tree_mask: Tensor | None = None, positions: Tensor | None = None, slot_mask: Tensor | None = None,
+    ) -> Tensor:
+        """:meth:`features` op by op, whatever ``draft_step`` is attached (inputs unchecked)."""
+        h = self.run_blocks(self.fuse(states, tokens), cache, positions, tree_mask, slot_mask)
         return cast(Tensor, self.norm(h))
+
+    def fuse(self, states: Tensor, tokens: Tensor) -> Tensor:
+        """The block's input states ``(B, T, D)``: the fusion of the LLM's ``states`` with the
+        embeddings of ``tokens`` (the embedding is the LLM's, frozen)."""
+        return cast(Tensor, self.fc(torch.cat([states.to(self.dtype), self.embed_tokens(tokens).detach()], dim=-1)))
 
     def head(self, states: Tensor) -> Tensor:
         """Draft-vocabulary logits ``(..., K)`` (float32) of (predicted) states."""
@@ -177,8 +188,7 @@ def draft_hidden(drafter: FeatureDrafter, states: Tensor, tokens: Tensor, positi
     """A formatted drafter's predicted states ``(B, T, D)``: the fusion of ``states`` and the
     embeddings of ``tokens``, then its block as :func:`~treeserve.ops.decode_step.step_hidden`
     runs the verifier's (the same arguments after ``tokens``)."""
-    h = drafter.fc(torch.cat([states, drafter.embed_tokens(tokens)], dim=-1))
-    return blocks_hidden(drafter, h, positions, tree_mask, lengths, keys, values, num_slots)
+    return blocks_hidden(drafter, drafter.fuse(states, tokens), positions, tree_mask, lengths, keys, values, num_slots)
 
 
 class DraftStep(CompiledStep):

@@ -280,8 +280,9 @@ def attach_graphs(model: Transformer, cache: KVCache, **options: Any) -> GraphSt
 
 class DraftGraphStep(GraphStep):
     """``step(states (B, T, D), tokens (B, T), cache, tree_mask, positions) -> (B, T, D)``: a
-    feature drafter's forward (``FeatureDrafter.features``: its fusion of the LLM's states with
-    the tokens' embeddings, then its blocks) captured as :class:`GraphStep` captures the LLM's."""
+    feature drafter's forward (``FeatureDrafter.eager_features``: its ``fuse`` of the LLM's
+    states with the tokens' embeddings, then its blocks) captured as :class:`GraphStep`
+    captures the LLM's."""
 
     def _new_bucket(self, rows: int, nodes: int) -> Bucket:
         bucket = super()._new_bucket(rows, nodes)
@@ -290,10 +291,7 @@ class DraftGraphStep(GraphStep):
 
     def _first_states(self, bucket: Bucket) -> Tensor:
         assert bucket.states is not None
-        return self._fuse(bucket.states, bucket.tokens)
-
-    def _fuse(self, states: Tensor, tokens: Tensor) -> Tensor:
-        return fuse_draft_inputs(self.model, states, tokens)
+        return cast(Tensor, self.model.fuse(bucket.states, bucket.tokens))  # type: ignore[operator]
 
     @torch.inference_mode()
     def __call__(self, states: Tensor, tokens: Tensor, cache: KVCache,  # type: ignore[override]
@@ -303,19 +301,8 @@ class DraftGraphStep(GraphStep):
     def _eager(self, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None, positions: Tensor | None,
                states: Tensor | None) -> Tensor:
         assert states is not None
-        return draft_eagerly(self.model, states, tokens, cache, tree_mask, positions)
-
-
-def fuse_draft_inputs(drafter: Any, states: Tensor, tokens: Tensor) -> Tensor:
-    """A feature drafter's first input states: its fusion of the LLM's states and the tokens'
-    embeddings (``FeatureDrafter.features``' first step)."""
-    return cast(Tensor, drafter.fc(torch.cat([states.to(drafter.dtype), drafter.embed_tokens(tokens)], dim=-1)))
-
-
-def draft_eagerly(drafter: Transformer, states: Tensor, tokens: Tensor, cache: KVCache, tree_mask: Tensor | None,
-                  positions: Tensor | None) -> Tensor:
-    """A feature drafter's forward op by op (what its captured steps replay)."""
-    return drafter.norm(drafter.run_blocks(fuse_draft_inputs(drafter, states, tokens), cache, positions, tree_mask))
+        return cast(Tensor, self.model.eager_features(  # type: ignore[operator]
+            states, tokens, cache, tree_mask=tree_mask, positions=positions))
 
 
 class DraftGraphs:
@@ -346,7 +333,8 @@ class DraftGraphs:
         if step is not None:
             return step(states, tokens, cache, tree_mask, positions)
         with torch.inference_mode():
-            return draft_eagerly(self.drafter, states, tokens, cache, tree_mask, positions)
+            return cast(Tensor, self.drafter.eager_features(  # type: ignore[operator]
+                states, tokens, cache, tree_mask=tree_mask, positions=positions))
 
 
 def attach_draft_graphs(drafter: Transformer, capacity: int, *, slots: int = 4, **options: Any) -> DraftGraphs:

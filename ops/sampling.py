@@ -151,9 +151,7 @@ def keyed_uniforms(seed: int, positions: Sequence[int], num_tokens: int, draw: i
     for position in positions:
         h = _splitmix64((_splitmix64((_splitmix64(seed) + position) & _MASK64) + draw) & _MASK64)
         words.append((h & _MASK32, h >> 32, _splitmix64(h) & _MASK32))
-    keys = torch.tensor(words, dtype=torch.long).reshape(len(words), 3)  # (N, 3)
-    # Onto a GPU through pinned memory without waiting for the queue (a verify step's logits).
-    keys = keys.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else keys.to(device)
+    keys = host_to_device(torch.tensor(words, dtype=torch.long).reshape(len(words), 3), device)  # (N, 3)
     x = torch.arange(num_tokens, dtype=torch.long, device=device).expand(len(words), -1)  # (N, V)
     for k in range(3):
         x = _mix32(x ^ keys[:, k:k + 1])
@@ -175,12 +173,32 @@ def sample_keyed(probs: Tensor, seed: int, positions: Sequence[int], draw: int =
     """
     if probs.dim() != 2 or probs.shape[0] != len(positions):
         raise ValueError(f"probs must be (N, V) with N = {len(positions)} positions, got {tuple(probs.shape)}")
-    if not bool((torch.isfinite(probs) & (probs >= 0)).all()) or not bool((probs.sum(dim=-1) > 0).all()):
+    if not bool(is_distribution(probs)):
         raise RuntimeError("probability tensor contains either inf, nan or element < 0, or a row without mass")
+    return [int(t) for t in keyed_argmax(probs, seed, positions, draw).tolist()]
+
+
+def keyed_argmax(probs: Tensor, seed: int, positions: Sequence[int], draw: int = 0) -> Tensor:
+    """:func:`sample_keyed`'s draws ``(N,)`` where ``probs`` are, unchecked and with no host read
+    (a GPU's verifier checks :func:`is_distribution` beside it and reads both at once)."""
     u = keyed_uniforms(seed, positions, probs.shape[-1], draw, device=probs.device)  # (N, V)
     gumbel = -torch.log(-torch.log(u))
     scores = torch.log(probs.double()) + gumbel  # log 0 = -inf: never chosen
-    return [int(t) for t in scores.argmax(dim=-1).tolist()]
+    return scores.argmax(dim=-1)
+
+
+def is_distribution(probs: Tensor) -> Tensor:
+    """A bool scalar where ``probs`` ``(N, V)`` are: every row finite, non-negative, with mass."""
+    return (torch.isfinite(probs) & (probs >= 0)).all() & (probs.sum(dim=-1) > 0).all()
+
+
+def host_to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A host ``tensor`` on ``device``; onto a GPU through pinned memory without waiting (a
+    plain copy from the host would wait for everything queued before it, a verify step's
+    forward included)."""
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:

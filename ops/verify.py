@@ -25,7 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treeserve.ops.sampling import Randomness, SampleKey, SamplingParams, keyed_uniforms, logits_to_probs, sample_keyed
+from treeserve.ops.sampling import (
+    Randomness,
+    SampleKey,
+    SamplingParams,
+    is_distribution,
+    keyed_argmax,
+    logits_to_probs,
+    sample_keyed,
+)
 from treeserve.ops.token_tree import TokenTree
 
 
@@ -117,7 +125,7 @@ def accept_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, targe
     first (``_follow_targets`` keeps the first child of a token). Those nodes form one chain;
     its deepest node is the last accepted, and its target the bonus.
     """
-    num_rows, width = tokens.shape
+    width = tokens.shape[1]
     index = torch.arange(width, device=tokens.device)
     valid = index[None, :] < num_nodes.to(tokens.device)[:, None]  # (B, T); num_nodes: on the device already, or a copy
     proper = tree_mask & ~torch.eye(width, dtype=torch.bool, device=tokens.device)  # (B, T, T) strict ancestors
@@ -134,12 +142,6 @@ def accept_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, targe
     return torch.stack([last, targets.gather(1, last[:, None])[:, 0]], dim=1)
 
 
-def accept_greedy_on_device(tokens: Tensor, tree_mask: Tensor, num_nodes: Tensor, logits: Tensor) -> Tensor:
-    """:func:`accept_on_device` with every node's argmax of ``logits`` ``(B, T, V)`` as its
-    target: :func:`verify_greedy` for a whole batch, with no host read."""
-    return accept_on_device(tokens, tree_mask, num_nodes, logits.argmax(dim=-1))
-
-
 def keyed_targets(logits: Tensor, params: SamplingParams, key: SampleKey, depths: Sequence[int]) -> tuple[Tensor, Tensor]:
     """The keyed targets ``(T,)`` of one tree's nodes at ``depths``, on the logits' device:
     :func:`~treeserve.ops.sampling.sample_keyed` of each node's probabilities at position
@@ -148,9 +150,7 @@ def keyed_targets(logits: Tensor, params: SamplingParams, key: SampleKey, depths
     probabilities are not a distribution: ``sample_keyed`` raises there, so the caller then
     verifies the row on the host, which says so."""
     probs = logits_to_probs(logits, params)  # (T, V)
-    fine = (torch.isfinite(probs) & (probs >= 0)).all() & (probs.sum(dim=-1) > 0).all()
-    uniforms = keyed_uniforms(key.seed, [key.position + d for d in depths], probs.shape[-1], device=probs.device)
-    return (torch.log(probs.double()) - torch.log(-torch.log(uniforms))).argmax(dim=-1), fine
+    return keyed_argmax(probs, key.seed, [key.position + d for d in depths]), is_distribution(probs)
 
 
 def verify_keyed(tree: TokenTree, logits: Tensor, params: SamplingParams, key: SampleKey) -> VerifyResult:

@@ -12,7 +12,7 @@ import torch
 
 from treeserve.ops.token_tree import TokenTree, pack_trees
 from treeserve.ops.sampling import SampleKey, SamplingParams
-from treeserve.ops.verify import accept_greedy_on_device, accept_on_device, keyed_targets, verify_greedy, verify_keyed
+from treeserve.ops.verify import accept_on_device, keyed_targets, verify_greedy, verify_keyed
 
 
 def _random_tree(gen: torch.Generator, vocab: int) -> TokenTree:
@@ -28,7 +28,7 @@ def _on_device(trees: list[TokenTree], logits: list[torch.Tensor]) -> list[tuple
     for row, rows_logits in enumerate(logits):
         padded[row, : rows_logits.shape[0]] = rows_logits
         padded[row, rows_logits.shape[0]:, 0] = 1e9  # pad nodes' argmax: token 0, a pad token
-    decided = accept_greedy_on_device(packed.tokens, packed.tree_mask, torch.tensor(packed.num_nodes), padded).tolist()
+    decided = accept_on_device(packed.tokens, packed.tree_mask, torch.tensor(packed.num_nodes), padded.argmax(-1)).tolist()
     return [(tree.path_to(last), bonus) for tree, (last, bonus) in zip(trees, decided)]
 
 
