@@ -187,7 +187,9 @@ class _LiveCollector(Collector):
                                 "park row for a far shorter queued one)"),
                                ("treeserve_resumptions", "num_resumed", "Preempted requests moved back to run"),
                                ("treeserve_repredictions", "num_repredicted", "Running requests re-predicted from "
-                                "their hidden states")):
+                                "their hidden states"),
+                               ("treeserve_prefix_reused_tokens", "num_prefix_tokens_reused", "Prompt tokens whose K/V "
+                                "their row held already, not prefilled again")):
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))
         restarts = CounterMetricFamily("treeserve_child_restarts", "Restarts of child actors, by supervisor",

@@ -4,8 +4,8 @@ Every rank receives the same calls in the same order (the scheduler fans each ca
 shards and awaits all replies before the next call); rank 0's reply is the one used. Handlers:
 
 * ``info`` -> ``{"vocab_size", "max_seq_len", "num_rows", "row_capacity", "eos_ids", "tp_rank", "tp_size",
-  "weight_format"}``
-* ``prefill {"rows": [{"row", "prompt_ids"}]}`` -> ``{"rows": [{"row", "length"}]}``: reset each
+  "weight_format", "prefix_reuse"}``
+* ``prefill {"rows": [{"row", "prompt_ids"}]}`` -> ``{"rows": [{"row", "length", "reused"?}]}``: reset each
   row and commit its prompt except the last token (the root of the row's first token tree);
   a burst of admissions shares batched forwards (:func:`~treeserve.ops.batch_step.prefill_rows`).
 * ``step {"rows": [{"row", "tree", "params", "request_id"}], "draft_probs"?}`` -> ``{"rows": [{"row",
@@ -22,7 +22,11 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   to k tokens (a row stops after a stop token), and with ``"return_states"`` the states of the
   k roots: one call, and one hop to the compute thread, for k tokens
   (:class:`~treeserve.actors.messages.verifier.StepBody`).
-* ``release {"row", "request_id"}`` -> None: forget the row's cache and the request's generator.
+* ``release {"row", "request_id"}`` -> None: forget the request's generator; the row's cache is
+  forgotten too, or, where prefixes are reused (``info``'s ``"prefix_reuse"``: the fused,
+  row-invariant forward, unless ``reuse_prefixes`` is off), kept: the row's next ``prefill``
+  computes only what its prompt does not share with the row's tokens
+  (:mod:`~treeserve.actors.row_tokens`), with K/V equal to a whole prefill's bit for bit.
 * ``move {"src", "dst"}`` -> None: move row ``src``'s committed cache to the empty row ``dst``
   (:meth:`~treeserve.ops.kv_cache.KVCache.move_row`): the scheduler parks a preempted request
   in a row its steps do not run, and moves it back when it resumes. The request's generator and
@@ -77,6 +81,7 @@ from treeserve.actors.messages.verifier import (
 )
 from treeserve.actors.model_host import SerialOffload, check_int, consume_exception
 from treeserve.actors.messages.tree_wire import ParamsCache
+from treeserve.actors.verifier_rows import RowTokens, warm_up, zero_row
 from treeserve.actors.verifier_config import VerifierConfig
 from treeserve.actors.verify_fns import RowGuard, process_group_backend, rank0_broadcast_verifier, row_checked_verifier
 from treeserve.ops.batch_step import (
@@ -104,12 +109,6 @@ def _float32(states: Tensor) -> np.ndarray:
     return np.asarray(states.float().cpu(), dtype=np.float32)
 
 
-def _zero_row(cache: KVCache, row: int) -> None:
-    cache.reset_row(row)
-    for tensor in (*cache.keys, *cache.values):  # (B, n_kv, capacity, hd) each
-        tensor[row].zero_()
-
-
 class VerifierShard(Actor):
     """One verifier rank (see the module docstring for the handlers and the TP contract)."""
 
@@ -124,6 +123,8 @@ class VerifierShard(Actor):
         self._setup: asyncio.Future[None] | None = None
         self._has_group = False
         self._rows_to_scrub: set[int] = set()  # rows whose cache may hold non-finite values
+        self._row_tokens = RowTokens()  # what each row's committed slots hold, for prefix reuse
+        self._reuse = False  # set with the model: prefixes are reused where the forward is row-invariant
 
     # ------------------------------------------------------------------ lifecycle
     async def on_start(self) -> None:
@@ -208,7 +209,9 @@ class VerifierShard(Actor):
                 self._info["graph_capture_s"] = round(attach_graphs(model, cache).capture_seconds or 0.0, 3)
             except Exception:  # a capture that fails must not stop serving: the eager forward runs
                 _log.warning("capturing the CUDA graphs failed; the shard serves eagerly", exc_info=True)
-        _warm_up(model, cache)
+        warm_up(model, cache)
+        # Reuse is exact only where a prefill in two pieces gives a whole prefill's K/V bit for bit.
+        self._reuse = self._info["prefix_reuse"] = cfg.reuse_prefixes and bool(getattr(model.decode_step, "is_fused", False))
         self._model = model
         self._cache = cache
 
@@ -262,11 +265,19 @@ class VerifierShard(Actor):
         wants = [entry.return_states and not acks_only for entry in call.rows]
         for row, _ in jobs:
             await self._scrub_if_needed(cache, row)
-        results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants)), model, cache, jobs)
+        # A drafter that needs the prompt's states gets them whole (every rank decides alike).
+        reuse = self._reuse and not any(entry.return_states for entry in call.rows)
+        keep = [self._row_tokens.reusable(row, tokens, int(cache.lengths[row])) if reuse else 0 for row, tokens in jobs]
+        for row, _ in jobs:
+            self._row_tokens.forget(row)  # until the prefill has run
+        results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants), keep=keep), model, cache,
+                                          [(row, tokens[k:]) for (row, tokens), k in zip(jobs, keep)])
+        for row, tokens in jobs:
+            self._row_tokens.set(row, tokens)
         if acks_only:
             return None
-        return PrefillReply(tuple(PrefilledRow(row, length, _float32(states) if want else None)
-                                  for (row, _), (length, states), want in zip(jobs, results, wants))
+        return PrefillReply(tuple(PrefilledRow(row, length, _float32(states) if want else None, kept)
+                                  for (row, _), (length, states), want, kept in zip(jobs, results, wants, keep))
                             ).to_wire(self._info["dim"])
 
     @handler
@@ -287,6 +298,8 @@ class VerifierShard(Actor):
             decoded, decoded_states, failures = await self._offload.run(
                 self._decode_rows, model, cache, steps, call.decode_steps, want_states)
             self._rows_to_scrub.update(failures)
+            for s in steps:
+                self._row_tokens.extend(s.row, [s.tree.root_token, *decoded[s.row][:-1]])
             if acks_only:
                 return None
             return StepReply(tuple(RowVerdict(s.row, error=failures[s.row]) if s.row in failures else
@@ -295,6 +308,9 @@ class VerifierShard(Actor):
                                    for s in steps), want_states).to_wire(self._info["dim"])
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
+        emitted = [() if step.row in failures else tuple(result.new_tokens(step.tree)) for step, result in zip(steps, results)]
+        for step, new in zip(steps, emitted):
+            self._row_tokens.extend(step.row, [step.tree.root_token, *new[:-1]])  # the accepted path
         if acks_only:
             return None
         verdicts = []
@@ -302,7 +318,7 @@ class VerifierShard(Actor):
             if step.row in failures:
                 verdicts.append(RowVerdict(step.row, error=failures[step.row]))
             else:
-                verdicts.append(RowVerdict(step.row, tuple(result.accepted), tuple(result.new_tokens(step.tree)),
+                verdicts.append(RowVerdict(step.row, tuple(result.accepted), emitted[index],
                                            _float32(states[index]) if want_states else None))
         return StepReply(tuple(verdicts), want_states).to_wire(self._info["dim"])
 
@@ -314,7 +330,11 @@ class VerifierShard(Actor):
         row = self._row(call.row)
         self._generators.pop(call.request_id, None)
         self._params.forget(call.request_id)
-        await self._offload.run(cache.reset_row, row)
+        if self._reuse and row not in self._rows_to_scrub:  # kept for the row's next prompt
+            await self._offload.run(cache.truncate, row, int(cache.lengths[row]))  # its pending slots go
+        else:
+            self._row_tokens.forget(row)
+            await self._offload.run(cache.reset_row, row)
         await self._scrub_if_needed(cache, row)
 
     @handler
@@ -324,14 +344,17 @@ class VerifierShard(Actor):
         _model, cache = await self._ready()
         src, dst = self._row(call.src), self._row(call.dst)
         await self._scrub_if_needed(cache, dst)
+        await self._offload.run(cache.reset_row, dst)  # a free row may keep its last tokens
         await self._offload.run(cache.move_row, src, dst)
+        self._row_tokens.move(src, dst)
 
     async def _scrub_if_needed(self, cache: KVCache, row: int) -> None:
         """Zero the cache of a row that failed numerically (once): its next request must not
         read a stale NaN through attention's masked slots."""
         if row in self._rows_to_scrub:
             self._rows_to_scrub.discard(row)
-            await self._offload.run(_zero_row, cache, row)
+            self._row_tokens.forget(row)
+            await self._offload.run(zero_row, cache, row)
 
     # ------------------------------------------------------------------ helpers
     def _row(self, value: Any) -> int:
@@ -397,31 +420,3 @@ class VerifierShard(Actor):
         else:
             results, states = verify_rows(model, cache, steps, verifier=guarded, on_device=on_device), []
         return results, states, guarded.failures
-
-
-WARM_UP_TOKENS = 8
-"""The prompt length :func:`_warm_up` prefills (ids 1..8 of the vocabulary, modulo its size)."""
-
-
-def _warm_up(model: Transformer, cache: KVCache) -> None:
-    """A short prefill and two decode steps on row 0 through the serving path, then the row
-    zeroed, before the shard reports ready: the first request's prefill and steps would
-    otherwise pay one-time costs (oneDNN's primitives, the allocator's first growth, lazy kernel
-    loads; 0.3-0.4 s of the first token with the tokenizer's, measured). Zeroing leaves no trace
-    of the warm-up tokens, whatever the weights make of them (a non-finite K/V would reach the
-    next request through masked slots). Every tensor-parallel rank runs the same forwards, so
-    their collectives pair up. Skipped for rows too short to hold it."""
-    if cache.capacity < WARM_UP_TOKENS + 2:
-        return
-    prompt = [i % model.config.vocab_size for i in range(1, WARM_UP_TOKENS + 1)]
-    try:
-        prefill_rows(model, cache, [(0, prompt[:-1])])
-        root = prompt[-1]
-        for _ in range(2):
-            (result,) = verify_rows(model, cache, [RowStep(0, TokenTree.root_only(root), SamplingParams())])
-            root = result.bonus_token
-        if cache.device.type == "cuda":  # a tree step: CuPy compiles the tree kernel (or loads it) now
-            siblings = [root, root, (root + 1) % model.config.vocab_size]
-            verify_rows(model, cache, [RowStep(0, TokenTree.from_parents([-1, 0, 0], siblings), SamplingParams())])
-    finally:
-        _zero_row(cache, 0)

@@ -28,6 +28,9 @@ class VerifierConfig:
     hundred tokens and exits is done sooner without it (``treeserve generate``). On a CUDA
     device (one shard, ``tp_size`` 1) the same switch captures every step's CUDA graphs at
     start-up instead (:mod:`~treeserve.ops.graph_step`; seconds).
+    ``reuse_prefixes``: a released row keeps its K/V, and a prompt admitted to it computes only
+    what it does not share with them; only where the forward is row-invariant (the int formats'
+    fused op), so that it never changes an answer (:mod:`~treeserve.actors.verifier_rows`).
     """
 
     model: str
@@ -43,6 +46,7 @@ class VerifierConfig:
     num_threads: int | None = None
     compile_in_background: bool = False
     compile_decode: bool = True
+    reuse_prefixes: bool = True
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -64,7 +68,7 @@ class VerifierConfig:
             raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
         if self.num_threads is not None:
             check_int(self.num_threads, "num_threads", minimum=1)
-        for name in ("compile_in_background", "compile_decode"):
+        for name in ("compile_in_background", "compile_decode", "reuse_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 

@@ -47,6 +47,7 @@ class VerifierGroup:
             raise ValueError("a verifier group needs at least one shard")
         self.shards = tuple(shards)
         self.timeout_s = timeout_s
+        self.num_prefix_tokens_reused = 0  # prompt tokens whose K/V a row held already (not prefilled again)
 
     @property
     def tp_size(self) -> int:
@@ -54,9 +55,11 @@ class VerifierGroup:
 
     async def prefill(self, rows: Sequence[PrefillRow]) -> list[np.ndarray | None]:
         """Prefill ``rows`` (batched forwards); each row's hidden states ``(n, D)``, or None for
-        a row that asked for none."""
+        a row that asked for none. Tokens a row held already count in ``num_prefix_tokens_reused``."""
         reply = await self._fan_out("prefill", PrefillBody(tuple(rows), rank0_answers=self.tp_size > 1).to_wire())
-        return [r.states for r in PrefillReply.from_wire(reply, [r.row for r in rows]).rows]
+        prefilled = PrefillReply.from_wire(reply, [r.row for r in rows]).rows
+        self.num_prefix_tokens_reused += sum(r.reused for r in prefilled)
+        return [r.states for r in prefilled]
 
     async def step(self, rows: Sequence[StepRow], *, return_states: bool, decode_steps: int = 1) -> list[RowVerdict]:
         """Verify one token tree per row in batched forwards and commit the accepted paths

@@ -93,8 +93,15 @@ def prefill_rows(
     want_states: bool = False,
     max_batch_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS,
     overhead_tokens: int = DEFAULT_PREFILL_OVERHEAD_TOKENS,
+    keep: Sequence[int] | None = None,
 ) -> list[tuple[int, Tensor]]:
     """Reset each ``(row, token_ids)`` row and commit its tokens, several prompts per forward.
+
+    ``keep[i]`` (default 0 each): prompt ``i``'s row keeps its first ``keep[i]`` committed slots
+    (the K/V of tokens its prompt starts with, which the caller knows the row holds) and
+    commits ``token_ids`` after them: the forward runs those tokens alone, attending to the kept
+    ones. Where the forward is row-invariant (the fused op), the K/V equal a whole prefill's
+    bit for bit. States are for whole prefills only (a ``ValueError`` with ``want_states``).
 
     Returns ``(new length, states)`` per prompt, in order; ``states`` are the final hidden states
     ``(n, D)`` when ``want_states``, else empty ``(0, D)``. Prompts are sorted by length and
@@ -111,19 +118,24 @@ def prefill_rows(
     if max_batch_tokens < 1 or overhead_tokens < 0:
         raise ValueError(f"need max_batch_tokens >= 1 and overhead_tokens >= 0, got {max_batch_tokens}, {overhead_tokens}")
     jobs = [(row, [int(t) for t in tokens]) for row, tokens in prompts]
+    kept = [0] * len(jobs) if keep is None else [int(k) for k in keep]
     rows = [row for row, _ in jobs]
     if len(set(rows)) != len(rows):
         raise ValueError(f"each cache row may be prefilled once per call, got rows {rows}")
-    for row, tokens in jobs:
+    if len(kept) != len(jobs) or (want_states and any(kept)):
+        raise ValueError(f"keep needs one count per prompt ({len(jobs)}), and no states: got {kept}")
+    for (row, tokens), k in zip(jobs, kept):
         if not 0 <= row < cache.batch_size:
             raise IndexError(f"row {row} out of range for a KV cache of {cache.batch_size} rows")
-        if len(tokens) > cache.capacity:
-            raise CacheCapacityError(f"a prompt of {len(tokens)} tokens does not fit a row of {cache.capacity} slots")
+        if not 0 <= k <= int(cache.lengths[row]):
+            raise ValueError(f"row {row} holds {int(cache.lengths[row])} committed tokens: it cannot keep {k}")
+        if k + len(tokens) > cache.capacity:
+            raise CacheCapacityError(f"a prompt of {k + len(tokens)} tokens does not fit a row of {cache.capacity} slots")
         _check_token_ids(tokens, model.config.vocab_size)
     empty = torch.zeros(0, model.config.dim, dtype=model.dtype, device=cache.device)
-    results: list[tuple[int, Tensor]] = [(len(tokens), empty) for _, tokens in jobs]
-    for row in rows:
-        cache.reset_row(row)
+    results: list[tuple[int, Tensor]] = [(k + len(tokens), empty) for (_, tokens), k in zip(jobs, kept)]
+    for row, k in zip(rows, kept):
+        cache.truncate(row, k)
     order = sorted((i for i, (_, tokens) in enumerate(jobs) if tokens), key=lambda i: len(jobs[i][1]))
     for group in _prefill_groups([len(jobs[i][1]) for i in order], max_batch_tokens, overhead_tokens):
         members = [order[k] for k in group]
@@ -131,19 +143,34 @@ def prefill_rows(
         feed = torch.zeros(len(members), width, dtype=torch.long)
         for b, i in enumerate(members):
             feed[b, :len(jobs[i][1])] = torch.tensor(jobs[i][1])
-        scratch = model.new_cache(len(members), width)
+        scratch = _scratch_with_kept(model, cache, [(jobs[i][0], kept[i]) for i in members], width)
         with torch.no_grad():  # the cache is all a prefill keeps: no LM head (the next step scores the root)
             hidden = model.hidden_states(feed.to(cache.device), scratch)  # (b, width, D)
         for b, i in enumerate(members):
-            row, num = jobs[i][0], len(jobs[i][1])
+            (row, tokens), first = jobs[i], kept[i]
+            end = first + len(tokens)
             for layer in range(cache.num_layers):
-                cache.keys[layer][row, :, :num] = scratch.keys[layer][b, :, :num]  # (n_kv, n, hd)
-                cache.values[layer][row, :, :num] = scratch.values[layer][b, :, :num]
-            cache.lengths[row] = num
+                cache.keys[layer][row, :, first:end] = scratch.keys[layer][b, :, first:end]  # (n_kv, n, hd)
+                cache.values[layer][row, :, first:end] = scratch.values[layer][b, :, first:end]
+            cache.lengths[row] = end
             cache.num_pending[row] = 0
             if want_states:
-                results[i] = (num, hidden[b, :num])
+                results[i] = (end, hidden[b, :len(tokens)])
     return results
+
+
+def _scratch_with_kept(model: Transformer, cache: KVCache, rows: Sequence[tuple[int, int]], width: int) -> KVCache:
+    """A cache for one prefill forward of ``width`` new tokens per ``(row, kept)`` in ``rows``:
+    each scratch row starts as a copy of the first ``kept`` committed slots of its ``row``."""
+    longest = max(kept for _, kept in rows)
+    scratch = model.new_cache(len(rows), longest + width)
+    if longest:
+        for b, (row, kept) in enumerate(rows):
+            for layer in range(cache.num_layers):
+                scratch.keys[layer][b, :, :kept] = cache.keys[layer][row, :, :kept]
+                scratch.values[layer][b, :, :kept] = cache.values[layer][row, :, :kept]
+            scratch.lengths[b] = kept
+    return scratch
 
 
 def _prefill_groups(sorted_lengths: list[int], max_batch_tokens: int, overhead_tokens: int) -> list[list[int]]:

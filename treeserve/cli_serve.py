@@ -80,6 +80,9 @@ def add_serve_parser(sub: Any) -> None:
                             "on the GPUs no rank holds first")
     serve.add_argument("--num-rows", type=int, default=defaults.num_rows, help="concurrent requests (KV-cache rows; default %(default)s)")
     serve.add_argument("--row-capacity", type=int, default=defaults.row_capacity, help="tokens per KV-cache row")
+    serve.add_argument("--no-prefix-reuse", action="store_true",
+                       help="prefill every prompt whole, instead of reusing the K/V of what its row held before "
+                            "where they start alike (reused only where it gives the same answer: the int formats)")
     scheduling.add_argument("--max-queue", type=int, default=defaults.scheduling.max_queue, metavar="N",
                             help="requests waiting for a row before new ones are refused as overloaded "
                                  "(default %(default)s)")
@@ -189,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         remaining_head=args.remaining_head,
         num_rows=args.num_rows,
         row_capacity=args.row_capacity,
+        reuse_prefixes=not args.no_prefix_reuse,
         speculators=None if specs is None else tuple(s.to_wire() for s in specs),
         allow_public_bind=args.allow_public_bind,
         num_nodes=args.nodes,

@@ -46,7 +46,8 @@ class ServerConfig:
     default, and ``treeserve generate``'s: a short process would end before the compile is
     saved). ``compile_decode`` False: the verifier runs its decode steps eagerly and never
     loads a compiled one (``treeserve generate`` of a few hundred tokens finishes sooner
-    without the 3-4 s load). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
+    without the 3-4 s load). ``reuse_prefixes``: a prompt reuses the K/V of what its row held
+    before where they start alike (the verifier's ``reuse_prefixes``). ``verifier_threads``/``speculator_threads``: torch threads per child process (None: this
     host's cores divided by the shards on it). Processes that share cores must not each use
     them all: oversubscribed OpenMP threads spin against each other and run many times slower.
     ``scheduling``: the scheduler's own settings
@@ -88,6 +89,7 @@ class ServerConfig:
     verifier_threads: int | None = None
     compile_in_background: bool = False
     compile_decode: bool = True
+    reuse_prefixes: bool = True
     speculator_threads: int = 1
     num_nodes: int = 0
     cluster_bind: str = "tcp://127.0.0.1:5556"

@@ -173,12 +173,14 @@ class RowMove:
 # ---------------------------------------------------------------------- verifier -> scheduler
 @dataclass(frozen=True)
 class PrefilledRow:
-    """A verifier's answer for one prefill row: the committed ``length`` and, when asked for,
-    the hidden states of ``prompt_ids[:-1]``, float32 ``(length, D)``."""
+    """A verifier's answer for one prefill row: the committed ``length``, how many of those
+    tokens' K/V the row held already (``reused``; not computed again) and, when asked for, the
+    hidden states of ``prompt_ids[:-1]``, float32 ``(length, D)``."""
 
     row: int
     length: int
     states: np.ndarray | None = None
+    reused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +199,15 @@ class RowVerdict:
 
 @dataclass(frozen=True)
 class PrefillReply:
-    """A verifier's ``prefill`` answer: ``{"rows": [{"row", "length", "num_states"?}], "states"?}``,
-    the rows' states stacked."""
+    """A verifier's ``prefill`` answer: ``{"rows": [{"row", "length", "reused"?, "num_states"?}],
+    "states"?}``, the rows' states stacked."""
 
     rows: tuple[PrefilledRow, ...]
 
     def to_wire(self, dim: int) -> dict[str, Any]:
-        wire: dict[str, Any] = {"rows": [{"row": r.row, "length": r.length} if r.states is None else
-                                         {"row": r.row, "length": r.length, "num_states": int(r.states.shape[0])}
+        wire: dict[str, Any] = {"rows": [{"row": r.row, "length": r.length,
+                                          **({"reused": r.reused} if r.reused else {}),
+                                          **({} if r.states is None else {"num_states": int(r.states.shape[0])})}
                                          for r in self.rows]}
         wanted = [r.states for r in self.rows if r.states is not None]
         return {**wire, "states": stack_states(wanted, dim)} if wanted else wire
@@ -216,7 +219,11 @@ class PrefillReply:
         for entry in entries:
             _require(entry, ("length",), "prefill")
         states = _reply_states(reply, entries, "prefill")
-        return cls(tuple(PrefilledRow(e["row"], _reply_int(e, "length"), s) for e, s in zip(entries, states)))
+        reused = [_reply_int(e, "reused") if "reused" in e else 0 for e in entries]
+        if any(not 0 <= n <= _reply_int(e, "length") for n, e in zip(reused, entries)):
+            raise MalformedReply(f"prefill reply reuses more tokens than a row holds: {reused}")
+        return cls(tuple(PrefilledRow(e["row"], _reply_int(e, "length"), s, n)
+                         for e, s, n in zip(entries, states, reused)))
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class SchedulerActor(Actor):
 
     @handler
     async def stats(self) -> dict[str, Any]:
-        return {**self.core.snapshot(), "has_predictor": self.predictor is not None}
+        return {**self.core.snapshot(), "has_predictor": self.predictor is not None,
+                "num_prefix_tokens_reused": self.verifiers.num_prefix_tokens_reused}
 
     # ------------------------------------------------------------------ length prediction
     async def _predict_loop(self) -> None:

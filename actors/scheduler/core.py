@@ -41,6 +41,7 @@ from treeserve.actors.scheduler.policy import QueuedRequest
 from treeserve.actors.scheduler.proposals import proposal_asks, take_proposals, verified_tree
 from treeserve.actors.scheduler.preemption import RepeatWatch, Repredictor, pick_victim
 from treeserve.actors.scheduler.prefill import prefill_chunks
+from treeserve.actors.scheduler.rows import FreeRows
 from treeserve.actors.scheduler.types import Admission, Event, LengthReport, Move, ProposalAsk, Release, RequestFailed, RequestFinished, RequestState, RowPlan, SchedulerConfig, SchedulerFault, SchedulerStats, ServiceUnavailable, StepEvents, StepPlan, StepReplies, TokensOut
 from treeserve.actors.gateway.request import InvalidRequest
 from treeserve.ops.speculative import FinishReason, emit_until_done
@@ -349,7 +350,7 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ helpers
     def _reset_rows(self) -> None:
-        self._free_rows = list(range(self.config.num_rows))
+        self._free_rows = FreeRows(range(self.config.num_rows))
         self._free_park_rows = list(range(self.config.num_rows, self.config.num_rows + self.config.preempt_rows))
 
     def _preempt(self, now: float) -> list[Move]:
@@ -367,7 +368,7 @@ class SchedulerCore:
             return []
         self._free_park_rows.sort(reverse=True)
         move = Move(victim.request_id, victim.row, self._free_park_rows.pop())
-        self._free_rows.append(victim.row)
+        self._free_rows.put(victim.row)  # its cache moves to the park row
         victim.row, victim.is_parked = move.dst, True
         victim.num_preempted += 1
         self.stats.num_preempted += 1
@@ -384,8 +385,7 @@ class SchedulerCore:
                 break
             for queued in picked:
                 req = self._requests[queued.request_id]
-                self._free_rows.sort(reverse=True)
-                row = self._free_rows.pop()  # the lowest free row: compact rows batch without padding
+                row = self._free_rows.take(() if req.is_parked else req.prompt_ids)  # rows.py: which row
                 if req.is_parked:
                     assert req.row is not None
                     moves.append(Move(req.request_id, req.row, row))
@@ -427,7 +427,7 @@ class SchedulerCore:
             self._policy.remove(req.request_id)
             self._free_park_rows.append(row)
         else:
-            self._free_rows.append(row)
+            self._free_rows.put(row, req.prompt_ids + req.emitted[:-1])  # what the row's K/V hold
         # A speculator that must be rebuilt from the history would take these out of step.
         tail = tuple(req.since_propose) if req.speculates and not req.needs_history else ()
         return Release(req.request_id, row, req.speculates, tail)

@@ -38,18 +38,13 @@ import torch
 from treeserve.actors.scheduler.types import SchedulerSettings
 from treeserve.client import Client, Completion
 from treeserve.models import DEFAULT_MODEL, load_model
-from treeserve.ops.linears import Int4Linear
 from treeserve.server import Server, ServerConfig
 
 import tiny_model_files as tiny  # registered by conftest.py
+from tiny_model_files import FUSED_DIMS, q4_1_or_skip
 
 NUM_REQUESTS = 16
-# Sizes the fused op and the Q8_0 head take: every linear's sizes multiples of 32, a head of
-# 16 (a multiple of 8), the vocabulary a multiple of 32.
-FUSED_DIMS: dict[str, Any] = dict(vocab_size=128, dim=64, ffn_dim=128, num_heads=4, num_kv_heads=2, head_dim=16)
 SEEDED: dict[str, Any] = {"temperature": 0.9}
-SKIP_REASON = ("q4_1 runs no int8-row kernel of this project here (it needs a C++ compiler and AVX2 or AVX512-VNNI; "
-               "torch's int4 kernel and the bf16 rows promise no same bits at every row count)")
 
 
 @dataclass(frozen=True)
@@ -76,14 +71,6 @@ def requests_of(prompts: list[Any], max_tokens: int) -> list[dict[str, Any]]:
 
 def is_greedy(request: dict[str, Any]) -> bool:
     return request["temperature"] == 0.0
-
-
-def q4_1_or_skip(model: torch.nn.Module) -> None:
-    """Skip unless ``model``'s q4_1 linears run this project's int8-row kernels (AVX2, or
-    AVX512-VNNI): the kernels whose rows are the same bits at every row count."""
-    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    if not linears or not all(m.amx_codes is not None and m.int8_rows for m in linears):
-        pytest.skip(SKIP_REASON)
 
 
 async def serve(server: Server, client: Client, requests: list[dict[str, Any]], speculate: str) -> Served:

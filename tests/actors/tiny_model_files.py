@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from treeserve.ops.linears import Int4Linear
 from treeserve.ops.model import Transformer
 from treeserve.ops.model_config import ModelConfig
 
@@ -90,3 +92,18 @@ def write_prompt_len_predictor(path: Path, prompt_lens: Sequence[int], lengths: 
                               alphas=(1e-3,), num_folds=2)
     predictor.save(path)
     return path
+
+
+# Sizes the fused op and the Q8_0 head take: every linear's sizes multiples of 32, a head of
+# 16 (a multiple of 8), the vocabulary a multiple of 32.
+FUSED_DIMS: dict[str, Any] = dict(vocab_size=128, dim=64, ffn_dim=128, num_heads=4, num_kv_heads=2, head_dim=16)
+SKIP_REASON = ("q4_1 runs no int8-row kernel of this project here (it needs a C++ compiler and AVX2 or AVX512-VNNI; "
+               "torch's int4 kernel and the bf16 rows promise no same bits at every row count)")
+
+
+def q4_1_or_skip(model: torch.nn.Module) -> None:
+    """Skip unless ``model``'s q4_1 linears run this project's int8-row kernels (AVX2, or
+    AVX512-VNNI): the kernels whose rows are the same bits at every row count."""
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not linears or not all(m.amx_codes is not None and m.int8_rows for m in linears):
+        pytest.skip(SKIP_REASON)

@@ -210,6 +210,32 @@ def test_prefill_rows_fills_each_row_as_its_own_prefill_would(tiny_model_factory
             assert torch.allclose(cache.values[layer][row, :, :n], alone.values[layer][0, :, :n], atol=1e-5)
 
 
+def test_prefill_rows_keeps_a_rows_first_slots_and_prefills_the_rest(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """``keep``: a row keeps that many committed slots and the forward runs only the rest of its
+    prompt, attending to them: the K/V a whole prefill of the prompt gives (float32 here; the
+    fused op's bits are test_verifier_prefix_reuse.py's), beside a row prefilled whole."""
+    model = tiny_model_factory(seed=4)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in (11, 9, 7)]
+    cache = model.new_cache(3, 16)
+    prefill_rows(model, cache, [(0, prompts[0][:6] + [1, 1]), (1, prompts[1]), (2, prompts[2])])  # what the rows held
+    out = prefill_rows(model, cache, [(0, prompts[0][6:]), (1, []), (2, prompts[2])], keep=[6, 9, 0])
+    assert [n for n, _ in out] == [11, 9, 7] and cache.lengths.tolist() == [11, 9, 7]
+    for row, prompt in enumerate(prompts):
+        whole = model.new_cache(1, 16)
+        model(torch.tensor([prompt]), whole)
+        for layer in range(model.config.num_layers):
+            n = len(prompt)
+            assert torch.allclose(cache.keys[layer][row, :, :n], whole.keys[layer][0, :, :n], atol=1e-5), row
+            assert torch.allclose(cache.values[layer][row, :, :n], whole.values[layer][0, :, :n], atol=1e-5), row
+    for keep, error in [([12, 0, 0], "cannot keep"), ([1], "one count per prompt")]:
+        with pytest.raises(ValueError, match=error):
+            prefill_rows(model, cache, [(0, [4]), (1, [4]), (2, [4])][:3 if len(keep) == 3 else 2], keep=keep)
+    with pytest.raises(ValueError, match="no states"):
+        prefill_rows(model, cache, [(0, [4])], keep=[2], want_states=True)
+    assert cache.lengths.tolist() == [11, 9, 7]
+
+
 def test_prefill_groups_trade_padding_against_forwards() -> None:
     assert _prefill_groups([], 64, 8) == []
     assert _prefill_groups([3, 4, 4, 5], 64, 8) == [[0, 1, 2, 3]]  # 20 padded + 8 beats any split
