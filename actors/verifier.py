@@ -26,7 +26,7 @@ shards and awaits all replies before the next call); rank 0's reply is the one u
   forgotten too, or, where prefixes are reused (``info``'s ``"prefix_reuse"``: the fused,
   row-invariant forward, unless ``reuse_prefixes`` is off), kept: the row's next ``prefill``
   computes only what its prompt does not share with the row's tokens
-  (:mod:`~treeserve.actors.row_tokens`), with K/V equal to a whole prefill's bit for bit.
+  (:mod:`~treeserve.actors.verifier_rows`), with K/V equal to a whole prefill's bit for bit.
 * ``move {"src", "dst"}`` -> None: move row ``src``'s committed cache to the empty row ``dst``
   (:meth:`~treeserve.ops.kv_cache.KVCache.move_row`): the scheduler parks a preempted request
   in a row its steps do not run, and moves it back when it resumes. The request's generator and

@@ -1,12 +1,14 @@
 """A verifier shard's cache rows: what each holds (:class:`RowTokens`), zeroing one
 (:func:`zero_row`) and the shard's warm-up (:func:`warm_up`).
 
-What each row holds, token by token: so that a prompt admitted to a row reuses the K/V of the longest prefix it shares with what the row held before (the
-chat template's system prompt, a repeated prompt, the earlier turns of a conversation).
+What each row holds, token by token: so that a prompt admitted to a row reuses the K/V of the
+longest prefix it shares with what the row held before (the chat template's system prompt, a
+repeated prompt, the earlier turns of a conversation).
 
-A released row keeps its committed K/V and its length (:class:`~treeserve.actors.verifier.VerifierShard`'s ``release``):
-a pad tree that a batched step runs in that row writes after them and is never committed, so
-the kept slots stay as they were until the row's next prefill. The shard records every row's
+A released row keeps its committed K/V and its length (the ``release`` of
+:class:`~treeserve.actors.verifier.VerifierShard`): a pad tree that a batched step runs in that
+row writes after them and is never committed, so the kept slots stay as they were until the
+row's next prefill. The shard records every row's
 committed tokens as it commits them (the prefill's, and each step's accepted path) and forgets
 a row whose cache it zeroes or moves. The record is the shard's own: a restarted shard starts
 with none, so it never trusts K/V it did not write.
