@@ -272,8 +272,9 @@ class VerifierShard(Actor):
             self._row_tokens.forget(row)  # until the prefill has run
         results = await self._offload.run(functools.partial(prefill_rows, want_states=any(wants), keep=keep), model, cache,
                                           [(row, tokens[k:]) for (row, tokens), k in zip(jobs, keep)])
-        for row, tokens in jobs:
-            self._row_tokens.set(row, tokens)
+        if self._reuse:  # recorded only where they can be reused (no per-step work elsewhere)
+            for row, tokens in jobs:
+                self._row_tokens.set(row, tokens)
         if acks_only:
             return None
         return PrefillReply(tuple(PrefilledRow(row, length, _float32(states) if want else None, kept)
@@ -298,8 +299,9 @@ class VerifierShard(Actor):
             decoded, decoded_states, failures = await self._offload.run(
                 self._decode_rows, model, cache, steps, call.decode_steps, want_states)
             self._rows_to_scrub.update(failures)
-            for s in steps:
-                self._row_tokens.extend(s.row, [s.tree.root_token, *decoded[s.row][:-1]])
+            if self._reuse:
+                for s in steps:
+                    self._row_tokens.extend(s.row, [s.tree.root_token, *decoded[s.row][:-1]])
             if acks_only:
                 return None
             return StepReply(tuple(RowVerdict(s.row, error=failures[s.row]) if s.row in failures else
@@ -309,8 +311,9 @@ class VerifierShard(Actor):
         results, states, failures = await self._offload.run(self._verify_rows, model, cache, steps, want_states)
         self._rows_to_scrub.update(failures)
         emitted = [() if step.row in failures else tuple(result.new_tokens(step.tree)) for step, result in zip(steps, results)]
-        for step, new in zip(steps, emitted):
-            self._row_tokens.extend(step.row, [step.tree.root_token, *new[:-1]])  # the accepted path
+        if self._reuse:
+            for step, new in zip(steps, emitted):
+                self._row_tokens.extend(step.row, [step.tree.root_token, *new[:-1]])  # the accepted path
         if acks_only:
             return None
         verdicts = []
